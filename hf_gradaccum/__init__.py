@@ -1,0 +1,15 @@
+"""hf_gradaccum: gradient accumulation that is exactly the large-batch update, for transformers and accelerate."""
+
+from .accumulator import GradientAccumulator, WindowResult
+from .items import count_items, count_items_in_batch
+from .loss_scaling import DynamicLossScaler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScaler",
+    "GradientAccumulator",
+    "WindowResult",
+    "count_items",
+    "count_items_in_batch",
+]

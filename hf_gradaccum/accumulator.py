@@ -1,0 +1,561 @@
+"""`GradientAccumulator`: explicit fp32 accumulation buffers and item weighting, so N micro-batches give exactly the
+large-batch update.
+
+How it works, in one paragraph. Every trainable parameter gets a view into one flat buffer per device (fp32 by
+default). A post-accumulate-grad hook on each parameter folds its gradient into its view as soon as autograd
+produces it, weighted by the micro-batch's item count, and frees `.grad`, so the gradients never exist twice. At
+the end of a window the buffer holds `sum_k n_k * grad(mean_loss_k)`; dividing by `N = sum_k n_k` gives the
+large-batch mean gradient whatever the micro-batch sizes, and it is written back into `.grad` (as a view of the buffer
+when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weighting by `n_k` during the window and
+dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
+so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
+flat buffer is all-reduced once per window, together with one small vector of counts, instead of once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .loss_scaling import DynamicLossScaler
+
+logger = logging.getLogger(__name__)
+
+ACCUMULATION_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+OVERFLOW_POLICIES = ("recompute", "skip")
+
+
+def resolve_accumulation_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """
+    Turn `"float32"`, `"bf16"`, `torch.float32`, ... into a `torch.dtype`; anything else is a `ValueError` that lists
+    the allowed values.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.accumulator import resolve_accumulation_dtype
+    >>> resolve_accumulation_dtype("fp32")
+    torch.float32
+    ```
+    """
+    if isinstance(dtype, torch.dtype) and dtype in ACCUMULATION_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in ACCUMULATION_DTYPES:
+        return ACCUMULATION_DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(
+        f"`accumulation_dtype` must be one of {sorted(set(ACCUMULATION_DTYPES))} (or the matching torch.dtype), "
+        f"got {dtype!r}."
+    )
+
+
+def validate_accumulation_steps(steps: Any, name: str = "gradient_accumulation_steps") -> int:
+    """Return `steps` if it is an `int >= 1`; otherwise raise a `ValueError` naming `name`."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {steps!r} ({type(steps).__name__}).")
+    return steps
+
+
+@dataclass
+class WindowResult:
+    """What happened at the end of one accumulation window."""
+
+    applied: bool
+    """Whether the accumulated gradient was written to `.grad` (the optimizer should step)."""
+    num_items: float
+    """Items in the window, summed over micro-batches and ranks."""
+    loss: float | None
+    """Item-weighted mean loss of the window (the large-batch loss); `None` if the window had no items."""
+    micro_steps: int
+    """Micro-batches in the window (a partial last window has fewer than `gradient_accumulation_steps`)."""
+    skip_reason: str | None = None
+    """`None`, `"no_items"`, `"non_finite_loss"`, `"non_finite_grad"` or `"overflow"`."""
+    recomputed_micro_batches: int = 0
+    """Micro-batches of this window recomputed after an fp16 overflow."""
+    grad_norm: float | None = None
+    """Gradient norm before clipping, filled in by [`GradientAccumulator.step`]."""
+
+
+@dataclass
+class _Window:
+    micro_steps: int = 0
+    items: float = 0.0
+    recomputed: int = 0
+    loss_sum: torch.Tensor | None = None
+    overflowed: bool = False
+    touched: list[bool] = field(default_factory=list)
+
+
+class GradientAccumulator:
+    """
+    Accumulates gradients over `gradient_accumulation_steps` micro-batches in explicit buffers, so that one optimizer
+    step equals the large-batch step on the same samples.
+
+    Args:
+        model (`nn.Module` or iterable of `nn.Parameter`):
+            The model (or its parameters). A DDP-wrapped model is fine: the hooks sit on the shared parameters.
+        gradient_accumulation_steps (`int`, *optional*, defaults to 1):
+            Micro-batches per optimizer step.
+        accumulation_dtype (`str` or `torch.dtype`, *optional*, defaults to `torch.float32`):
+            dtype of the accumulation buffers. fp32 keeps bf16/fp16 gradients from rounding at every micro-batch.
+        loss_scaler ([`DynamicLossScaler`], *optional*):
+            fp16 dynamic loss scaling. The scale is the same for every micro-batch of a window and gradients are
+            unscaled as they are folded into the buffers.
+        overflow_policy (`str`, *optional*, defaults to `"recompute"`):
+            With a `loss_scaler`, what an overflowing micro-batch costs: `"recompute"` discards only that micro-batch
+            and redoes it at the backed-off scale (needs [`~GradientAccumulator.accumulate_micro_batch`]),
+            `"skip"` drops the whole window.
+        max_recompute_attempts (`int`, *optional*, defaults to 8):
+            Backoffs tried for one micro-batch before it is treated as a real inf/NaN and the window is skipped.
+        reduce_gradients (`bool`, *optional*):
+            All-reduce buffers and counts across `torch.distributed` ranks at the end of each window. Defaults to
+            `True` when a process group with more than one rank is initialised.
+
+    Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum import GradientAccumulator
+    >>> model = torch.nn.Linear(4, 2)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> accumulator = GradientAccumulator(model, gradient_accumulation_steps=2)
+    >>> batches = [(torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(4)]
+    >>> for i, (x, y) in enumerate(batches):
+    ...     loss = torch.nn.functional.cross_entropy(model(x), y)
+    ...     accumulator.backward(loss, num_items=len(y))
+    ...     if accumulator.sync_gradients or i == len(batches) - 1:
+    ...         result = accumulator.step(optimizer, max_grad_norm=1.0)
+    >>> accumulator.applied_steps
+    2
+    ```
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[nn.Parameter],
+        gradient_accumulation_steps: int = 1,
+        *,
+        accumulation_dtype: str | torch.dtype = torch.float32,
+        loss_scaler: DynamicLossScaler | None = None,
+        overflow_policy: str = "recompute",
+        max_recompute_attempts: int = 8,
+        reduce_gradients: bool | None = None,
+    ) -> None:
+        self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
+        self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
+        if overflow_policy not in OVERFLOW_POLICIES:
+            raise ValueError(f"`overflow_policy` must be one of {OVERFLOW_POLICIES}, got {overflow_policy!r}.")
+        self.overflow_policy = overflow_policy
+        self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
+        self.loss_scaler = loss_scaler
+        self._reduce_gradients = reduce_gradients
+
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        seen: set[int] = set()
+        self.parameters: list[nn.Parameter] = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.parameters.append(p)
+        if not self.parameters:
+            raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
+
+        # One flat buffer per device: a flat buffer can be zeroed, checked, scaled and all-reduced in one call each.
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        sizes: dict[torch.device, int] = {}
+        for p in self.parameters:
+            sizes[p.device] = sizes.get(p.device, 0) + p.numel()
+        for device, size in sizes.items():
+            self._buffers[device] = torch.zeros(size, dtype=self.accumulation_dtype, device=device)
+        offsets = dict.fromkeys(sizes, 0)
+        self._views: list[torch.Tensor] = []
+        for p in self.parameters:
+            start = offsets[p.device]
+            self._views.append(self._buffers[p.device][start : start + p.numel()].view_as(p))
+            offsets[p.device] = start + p.numel()
+
+        # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
+        # pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
+        self._fold_alpha: float | None = None
+        self._defer_fold = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
+
+        self._window: _Window | None = None
+        self.micro_step = 0
+        self.applied_steps = 0
+        self.skipped_steps: Counter[str] = Counter()
+        self.recomputed_micro_batches = 0
+        self.num_gradient_reductions = 0
+        self.last_result: WindowResult | None = None
+
+    # ------------------------------------------------------------------ hooks and folding
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def fold(param: torch.Tensor) -> None:
+            if self._fold_alpha is None or self._defer_fold or param.grad is None:
+                return
+            self._fold(index, param)
+
+        return fold
+
+    def _fold(self, index: int, param: torch.Tensor) -> None:
+        # In-place add with a dtype-promoting alpha: the bf16/fp16 gradient is widened inside the kernel, no fp32 temp.
+        self._views[index].add_(param.grad, alpha=self._fold_alpha)
+        self._window.touched[index] = True
+        param.grad = None
+
+    def _start_window(self) -> None:
+        for buffer in self._buffers.values():
+            buffer.zero_()
+        # Gradients left from the previous step (possibly views of the buffer) must not be accumulated into.
+        for p in self.parameters:
+            p.grad = None
+        device = next(iter(self._buffers))
+        self._window = _Window(
+            loss_sum=torch.zeros((), dtype=torch.float64, device=device), touched=[False] * len(self.parameters)
+        )
+
+    # ------------------------------------------------------------------ micro-batches
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current window is full, i.e. the next call should be [`step`] or [`finish_window`]."""
+        return self._window is not None and self._window.micro_steps >= self.gradient_accumulation_steps
+
+    @property
+    def micro_steps_in_window(self) -> int:
+        """Micro-batches accumulated in the current window so far."""
+        return 0 if self._window is None else self._window.micro_steps
+
+    @property
+    def current_scale(self) -> float:
+        """The loss scale used for the current window (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module | None = None) -> Iterator[None]:
+        """
+        Context for one micro-batch's forward and backward: under DDP it disables DDP's per-backward all-reduce
+        (the accumulator reduces the buffers once per window instead). A no-op for unwrapped models.
+        """
+        no_sync = getattr(model, "no_sync", None)
+        with no_sync() if callable(no_sync) else contextlib.nullcontext():
+            yield
+
+    def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
+        """
+        Backward one micro-batch's mean loss, weighted by its item count.
+
+        Args:
+            loss (`torch.Tensor`): the micro-batch's loss, a mean over its `num_items` items.
+            num_items (`int`, *optional*): items the mean divides by (see [`count_items`]). `None` weights every
+                micro-batch equally, which is only exact when they all hold the same number of items.
+
+        A micro-batch with zero items contributes nothing (its mean is 0/0). A non-finite loss is not back-propagated
+        at all; the window it belongs to is skipped at [`finish_window`]. Under fp16 loss scaling this method cannot
+        re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`] for `"recompute"`.
+        """
+        n = self._begin_micro_batch(num_items)
+        if n == 0:
+            return
+        self._record_loss(loss, n)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
+            self._window.overflowed = True
+            return
+        self._backward_scaled(loss, n)
+
+    def accumulate_micro_batch(
+        self, compute_loss: Callable[[], torch.Tensor], num_items: int | float | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """
+        Run `compute_loss()` (the forward pass) and [`backward`] on its result. With an fp16 loss scaler and
+        `overflow_policy="recompute"`, an overflowing micro-batch is discarded, the scale backs off, and
+        `compute_loss()` runs again at the new scale; no other micro-batch of the window is redone.
+
+        Returns:
+            `torch.Tensor`: the detached loss of the (last) attempt.
+        """
+        if self.loss_scaler is None or self.overflow_policy == "skip":
+            loss = compute_loss()
+            self.backward(loss, num_items)
+            return loss.detach()
+
+        n = self._begin_micro_batch(num_items)
+        if n == 0:
+            return compute_loss().detach()
+        for attempt in range(self.max_recompute_attempts + 1):
+            loss = compute_loss()
+            if not bool(torch.isfinite(loss.detach()).all()):
+                # The unscaled loss itself is inf/NaN: no scale can fix that.
+                self._record_loss(loss, n)
+                self._window.overflowed = True
+                logger.warning("Non-finite loss in micro-batch %d; the window will be skipped.", self.micro_step)
+                return loss.detach()
+            # Fold only after checking: a folded inf cannot be taken out of the buffer again.
+            self._defer_fold = True
+            try:
+                self._backward_scaled(loss, n)
+                overflow = self._grads_overflowed()
+            finally:
+                self._defer_fold = False
+            if not overflow:
+                self._fold_pending(n)
+                self._record_loss(loss, n)
+                return loss.detach()
+            for p in self.parameters:
+                p.grad = None
+            self.loss_scaler.update(found_inf=True)
+            if attempt == self.max_recompute_attempts or self.loss_scaler.at_min_scale:
+                break
+            self._window.recomputed += 1
+            self.recomputed_micro_batches += 1
+            logger.info("fp16 overflow in micro-batch %d: recomputing at scale %g.", self.micro_step, self.current_scale)
+        logger.warning(
+            "Micro-batch %d still overflows at loss scale %g: treating it as a real inf/NaN and skipping the window.",
+            self.micro_step,
+            self.current_scale,
+        )
+        self._window.overflowed = True
+        return loss.detach()
+
+    def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
+        if self._window is None:
+            self._start_window()
+        self.micro_step += 1
+        self._window.micro_steps += 1
+        if num_items is None:
+            n = 1.0
+        else:
+            n = float(num_items.item() if torch.is_tensor(num_items) else num_items)
+            if n < 0 or not math.isfinite(n):
+                raise ValueError(f"`num_items` must be a finite number >= 0, got {num_items!r}.")
+        self._window.items += n
+        return n
+
+    def _record_loss(self, loss: torch.Tensor, n: float) -> None:
+        # Kept on the device: summing it costs no host synchronisation per micro-batch.
+        self._window.loss_sum += loss.detach().to(torch.float64) * n
+
+    def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
+        scale = self.current_scale
+        self._fold_alpha = n / scale
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self._fold_alpha = None
+
+    def _grads_overflowed(self) -> bool:
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
+            return False
+        norms = torch._foreach_norm(grads, ord=math.inf)
+        return not bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
+
+    def _fold_pending(self, n: float) -> None:
+        self._fold_alpha = n / self.current_scale
+        try:
+            for i, p in enumerate(self.parameters):
+                if p.grad is not None:
+                    self._fold(i, p)
+        finally:
+            self._fold_alpha = None
+
+    # ------------------------------------------------------------------ window end
+    def _distributed(self) -> bool:
+        if self._reduce_gradients is not None:
+            return self._reduce_gradients
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def finish_window(self) -> WindowResult:
+        """
+        End the current window: reduce across ranks (if distributed), check it, and write the large-batch mean
+        gradient into each parameter's `.grad` (`None` for parameters that got no gradient), ready for clipping and
+        `optimizer.step()`. A window with no items or with a non-finite loss or gradient is skipped: every `.grad` is
+        set to `None`, so optimizers leave weights and state untouched. Works for partial windows (end of epoch).
+        """
+        window = self._window
+        if window is None or window.micro_steps == 0:
+            raise RuntimeError("`finish_window()` called before any micro-batch of the window was accumulated.")
+        for p in self.parameters:
+            if p.grad is not None:
+                raise RuntimeError(
+                    "A parameter has a `.grad` that the accumulator did not fold: call `accumulator.backward(loss)` "
+                    "(or `accumulate_micro_batch`) instead of `loss.backward()`."
+                )
+
+        device = next(iter(self._buffers))
+        stats = torch.tensor(
+            [window.items, float(window.overflowed), *map(float, window.touched)], dtype=torch.float64, device=device
+        )
+        loss_sum = window.loss_sum
+        if self._distributed():
+            dist = torch.distributed
+            for buffer in self._buffers.values():
+                dist.all_reduce(buffer)
+            stats = torch.cat([stats, loss_sum.reshape(1)])
+            dist.all_reduce(stats)
+            loss_sum = stats[-1]
+            stats = stats[:-1]
+            self.num_gradient_reductions += 1
+        stats = stats.tolist()
+        items, overflowed, touched = stats[0], stats[1] > 0, [t > 0 for t in stats[2:]]
+        loss_sum = float(loss_sum)
+
+        finite_grads = all(bool(torch.isfinite(b).all()) for b in self._buffers.values())
+        skip_reason = None
+        if items == 0:
+            skip_reason = "no_items"
+        elif not math.isfinite(loss_sum):
+            skip_reason = "non_finite_loss"
+        elif overflowed:
+            skip_reason = "overflow"
+        elif not finite_grads:
+            skip_reason = "non_finite_grad" if self.loss_scaler is None else "overflow"
+
+        if skip_reason is None:
+            inv_items = 1.0 / items
+            for buffer in self._buffers.values():
+                buffer.mul_(inv_items)
+            for p, view, got_grad in zip(self.parameters, self._views, touched, strict=True):
+                # Same dtype: the buffer view *is* the gradient, so no second copy of the gradients exists.
+                p.grad = (view if view.dtype == p.dtype else view.to(p.dtype)) if got_grad else None
+            self.applied_steps += 1
+        else:
+            for p in self.parameters:
+                p.grad = None
+            self.skipped_steps[skip_reason] += 1
+            logger.warning("Skipping optimizer step %d: %s.", self.applied_steps + sum(self.skipped_steps.values()), skip_reason)
+
+        if self.loss_scaler is not None and skip_reason in (None, "overflow", "non_finite_grad"):
+            self.loss_scaler.update(found_inf=skip_reason is not None)
+
+        result = WindowResult(
+            applied=skip_reason is None,
+            num_items=items,
+            loss=loss_sum / items if items > 0 else None,
+            micro_steps=window.micro_steps,
+            skip_reason=skip_reason,
+            recomputed_micro_batches=window.recomputed,
+        )
+        self._window = None
+        self.last_result = result
+        return result
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None = None,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> WindowResult:
+        """
+        [`finish_window`], then (only if the window was applied) clip to `max_grad_norm`, `optimizer.step()` and
+        `lr_scheduler.step()`; finally `optimizer.zero_grad(set_to_none=True)`. Skipped windows leave the optimizer,
+        its state and the scheduler untouched.
+        """
+        result = self.finish_window()
+        if result.applied:
+            if max_grad_norm is not None and max_grad_norm > 0:
+                result.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm))
+            optimizer.step()
+            if lr_scheduler is not None:
+                lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return result
+
+    # ------------------------------------------------------------------ state
+    def metrics(self) -> dict[str, float]:
+        """Counters for logging: applied and skipped steps (by reason), recomputed micro-batches, loss scale."""
+        logs = {
+            "accumulator/applied_steps": float(self.applied_steps),
+            "accumulator/skipped_steps": float(sum(self.skipped_steps.values())),
+            "accumulator/recomputed_micro_batches": float(self.recomputed_micro_batches),
+        }
+        for reason, count in self.skipped_steps.items():
+            logs[f"accumulator/skipped_{reason}"] = float(count)
+        if self.loss_scaler is not None:
+            logs["accumulator/loss_scale"] = float(self.loss_scaler.scale)
+        return logs
+
+    def state_dict(self) -> dict[str, Any]:
+        """
+        Everything needed to resume exactly: counters, the loss scaler, and (mid-window only) the buffers and the
+        window's item and loss sums.
+        """
+        state: dict[str, Any] = {
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "accumulation_dtype": str(self.accumulation_dtype).removeprefix("torch."),
+            "micro_step": self.micro_step,
+            "applied_steps": self.applied_steps,
+            "skipped_steps": dict(self.skipped_steps),
+            "recomputed_micro_batches": self.recomputed_micro_batches,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "window": None,
+        }
+        if self._window is not None and self._window.micro_steps > 0:
+            w = self._window
+            state["window"] = {
+                "micro_steps": w.micro_steps,
+                "items": w.items,
+                "recomputed": w.recomputed,
+                "overflowed": w.overflowed,
+                "loss_sum": w.loss_sum.detach().cpu(),
+                "touched": list(w.touched),
+                "buffers": [b.detach().cpu().clone() for b in self._buffers.values()],
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore [`state_dict`]. A mid-window state saved with different accumulation steps is refused."""
+        window = state.get("window")
+        if window is not None and state["gradient_accumulation_steps"] != self.gradient_accumulation_steps:
+            raise ValueError(
+                "Cannot resume mid-window: the checkpoint was saved with `gradient_accumulation_steps="
+                f"{state['gradient_accumulation_steps']}` but this run uses {self.gradient_accumulation_steps}."
+            )
+        if state["gradient_accumulation_steps"] != self.gradient_accumulation_steps:
+            logger.warning(
+                "Resuming with gradient_accumulation_steps=%d (checkpoint: %d).",
+                self.gradient_accumulation_steps,
+                state["gradient_accumulation_steps"],
+            )
+        self.micro_step = state["micro_step"]
+        self.applied_steps = state["applied_steps"]
+        self.skipped_steps = Counter(state["skipped_steps"])
+        self.recomputed_micro_batches = state["recomputed_micro_batches"]
+        if state.get("loss_scaler") is not None:
+            if self.loss_scaler is None:
+                raise ValueError("The checkpoint has loss-scaler state but this accumulator has no `loss_scaler`.")
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self._window = None
+        if window is not None:
+            self._start_window()
+            for buffer, saved in zip(self._buffers.values(), window["buffers"], strict=True):
+                buffer.copy_(saved)
+            w = self._window
+            w.micro_steps, w.items, w.recomputed = window["micro_steps"], window["items"], window["recomputed"]
+            w.overflowed, w.touched = window["overflowed"], list(window["touched"])
+            w.loss_sum.copy_(window["loss_sum"])
+
+    def remove_hooks(self) -> None:
+        """Detach the accumulator from the model; `.grad` behaves as plain PyTorch again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
