@@ -325,7 +325,9 @@ class GradientAccumulator:
                 break
             self._window.recomputed += 1
             self.recomputed_micro_batches += 1
-            logger.info("fp16 overflow in micro-batch %d: recomputing at scale %g.", self.micro_step, self.current_scale)
+            logger.info(
+                "fp16 overflow in micro-batch %d: recomputing at scale %g.", self.micro_step, self.current_scale
+            )
         logger.warning(
             "Micro-batch %d still overflows at loss scale %g: treating it as a real inf/NaN and skipping the window.",
             self.micro_step,
@@ -441,7 +443,9 @@ class GradientAccumulator:
             for p in self.parameters:
                 p.grad = None
             self.skipped_steps[skip_reason] += 1
-            logger.warning("Skipping optimizer step %d: %s.", self.applied_steps + sum(self.skipped_steps.values()), skip_reason)
+            logger.warning(
+                "Skipping optimizer step %d: %s.", self.applied_steps + sum(self.skipped_steps.values()), skip_reason
+            )
 
         if self.loss_scaler is not None and skip_reason in (None, "overflow", "non_finite_grad"):
             self.loss_scaler.update(found_inf=skip_reason is not None)

@@ -55,7 +55,11 @@ def count_items(labels: torch.Tensor | None, *, shift_labels: bool = False, igno
 
 
 def count_items_in_batch(
-    batch: Mapping[str, Any], *, shift_labels: bool = False, label_name: str = "labels", ignore_index: int = IGNORE_INDEX
+    batch: Mapping[str, Any],
+    *,
+    shift_labels: bool = False,
+    label_name: str = "labels",
+    ignore_index: int = IGNORE_INDEX,
 ) -> int:
     """
     [`count_items`] on a collated batch: uses `shift_labels` when the collator provides it (padding-free collators),

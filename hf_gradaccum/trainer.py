@@ -1,0 +1,212 @@
+"""`GradAccumTrainer`: a `transformers.Trainer` whose gradient accumulation is exactly the large-batch update.
+
+This class is a thin adapter: the accumulation itself (buffers, weighting, reduction, overflow handling) lives in
+[`GradientAccumulator`], which plain PyTorch / Accelerate loops use directly. The Trainer's own loop (transformers 5.x
+`_run_epoch`) is left alone; it prefetches one window, calls `training_step` once per micro-batch with
+`accelerator.sync_gradients` set on the last one, then clips, steps and zeroes. We override public methods only:
+
+- `get_batch_samples`: count the window's items from the labels (for the logged loss only);
+- `training_step`: forward + weighted backward through the accumulator; on the window's last micro-batch, write
+  the large-batch mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
+- `create_scheduler` and a callback: a skipped window (no items, NaN/inf) advances neither the scheduler nor
+  `global_step`;
+- `log`: add the accumulator's counters (skipped steps, loss scale, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .accumulator import GradientAccumulator, WindowResult
+from .arguments import gradaccum_option, validate_gradaccum_fields
+from .items import count_items_in_batch
+from .loss_scaling import DynamicLossScaler
+from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
+
+logger = logging.getLogger(__name__)
+
+
+class GradAccumTrainer(Trainer):
+    """
+    Drop-in replacement for [`~transformers.Trainer`] whose optimizer step under `gradient_accumulation_steps=N`
+    equals the step of one batch of `N * per_device_train_batch_size * world_size` samples, for any model head:
+    each micro-batch's mean loss is weighted by its item count (non-`-100` labels, shifted for causal LMs, one per
+    row for sequence labels) and gradients are summed in fp32 buffers. Accepts [`GradAccumArguments`] or a plain
+    `TrainingArguments` (then with the default accumulation options).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+    >>> args = GradAccumArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=8)
+    >>> trainer = GradAccumTrainer(model=model, args=args, train_dataset=train_dataset)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        validate_gradaccum_fields(self.args)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            raise ValueError(
+                f"GradAccumTrainer does not support {engine}: the engine accumulates and reduces gradients itself, "
+                "so this project's buffers and item weighting would be bypassed. Use DDP (`accelerate launch` "
+                f"without a {engine} config) with GradAccumTrainer, or the stock Trainer with {engine}'s own "
+                "accumulation."
+            )
+        # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
+        # into `forward` because most heads (BERT, ResNet) ignore it, and the Trainer's cross-device correction of
+        # that count would be applied twice (the accumulator already counts items across ranks).
+        self.model_accepts_loss_kwargs = False
+        self.args.average_tokens_across_devices = False
+        if self.accelerator.scaler is not None:
+            # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
+            # GradScaler keeps Accelerate's autocast and makes its unscale/step calls no-ops.
+            self.accelerator.scaler = torch.amp.GradScaler(self.accelerator.device.type, enabled=False)
+        self.accumulator: GradientAccumulator | None = None
+        self._window_items_local: float | None = None
+        self.add_callback(SkippedStepCallback(self._last_window_applied))
+
+    # ------------------------------------------------------------------ accumulator
+    def _last_window_applied(self) -> bool:
+        result = None if self.accumulator is None else self.accumulator.last_result
+        return result is None or result.applied
+
+    def create_accumulator(self, model: nn.Module) -> GradientAccumulator:
+        """Build the [`GradientAccumulator`] for `model` from `self.args` (override to customise)."""
+        loss_scaler = None
+        if self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling")):
+            loss_scaler = DynamicLossScaler(
+                init_scale=gradaccum_option(self.args, "loss_scale_init"),
+                growth_factor=gradaccum_option(self.args, "loss_scale_growth_factor"),
+                backoff_factor=gradaccum_option(self.args, "loss_scale_backoff_factor"),
+                growth_interval=gradaccum_option(self.args, "loss_scale_growth_interval"),
+            )
+        return GradientAccumulator(
+            model,
+            self.args.gradient_accumulation_steps,
+            accumulation_dtype=gradaccum_option(self.args, "accumulation_dtype"),
+            loss_scaler=loss_scaler,
+            overflow_policy=gradaccum_option(self.args, "overflow_policy"),
+            max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
+        )
+
+    def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:
+        params = [p for p in model.parameters() if p.requires_grad]
+        acc = self.accumulator
+        if acc is None or [id(p) for p in acc.parameters] != [id(p) for p in params]:
+            state = None if acc is None else acc.state_dict()
+            if acc is not None:
+                acc.remove_hooks()
+            acc = self.accumulator = self.create_accumulator(model)
+            if state is not None and state["window"] is None:
+                # Same run, new parameter objects (e.g. re-wrapped model): keep counters and loss scale.
+                acc.load_state_dict(state)
+        acc.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+        return acc
+
+    # ------------------------------------------------------------------ items
+    def count_micro_batch_items(self, inputs: dict[str, Any]) -> int:
+        """
+        Items that the loss of this micro-batch is a mean over. Override for losses that are not a mean over the
+        non-`-100` labels (e.g. a custom `compute_loss` that averages over something else).
+        """
+        label_name = self.label_names[0] if self.label_names else "labels"
+        return count_items_in_batch(inputs, shift_labels=self._shifts_labels(), label_name=label_name)
+
+    def _shifts_labels(self) -> bool:
+        # The Trainer's own flag looks at `config.loss_type`, which is unset for e.g. GPT-2 (it then counts one
+        # extra item per row), so also recognise causal LMs by class, as `Trainer.compute_loss` does.
+        model = self.accelerator.unwrap_model(self.model)
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        return bool(getattr(self, "_loss_shifts_labels", False)) or (
+            model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Prefetch one window (as the stock Trainer does) and count its local items for the logged loss."""
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        try:
+            self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
+        except (ValueError, TypeError, AttributeError):
+            self._window_items_local = None
+        # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
+        return batch_samples, None
+
+    # ------------------------------------------------------------------ the micro-step
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """
+        Forward and item-weighted backward of one micro-batch through the accumulator. On the last micro-batch of a
+        window (`self.accelerator.sync_gradients`), the large-batch mean gradient is written into `.grad`.
+
+        Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
+        """
+        accumulator = self._get_accumulator(model)
+        num_items = self.count_micro_batch_items(inputs)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        items_tensor = torch.tensor(num_items, device=self.args.device)
+
+        def compute_loss() -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                # A custom `compute_loss`/`compute_loss_func` that divides by `num_items_in_batch` gets this
+                # micro-batch's own count, so it returns the same per-micro-batch mean as the model would.
+                loss = self.compute_loss(model, inputs, num_items_in_batch=items_tensor)
+            if self.args.n_gpu > 1:
+                loss = loss.mean()  # DataParallel returns one loss per GPU
+            return loss
+
+        # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat buffer
+        # once per window.
+        with accumulator.accumulate(model):
+            loss = accumulator.accumulate_micro_batch(compute_loss, num_items)
+
+        if self.accelerator.sync_gradients:
+            self.on_window_end(accumulator.finish_window())
+
+        if self._window_items_local:
+            return loss * (num_items / self._window_items_local)
+        return loss / self.current_gradient_accumulation_steps
+
+    def on_window_end(self, result: WindowResult) -> None:
+        """Called with each window's [`WindowResult`] before clipping and the optimizer step (override to inspect)."""
+        if not result.applied:
+            logger.warning(
+                "Window skipped (%s) at global step %d; weights, optimizer state and scheduler are left untouched.",
+                result.skip_reason,
+                self.state.global_step,
+            )
+
+    # ------------------------------------------------------------------ scheduler and logging
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if not plateau and not isinstance(scheduler, SkipAwareLRScheduler):
+            # ReduceLROnPlateau steps on eval metrics, not per window, and the Trainer type-checks it; leave it be.
+            self.lr_scheduler = SkipAwareLRScheduler(scheduler, self._last_window_applied)
+        return self.lr_scheduler
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.accumulator is not None and ("loss" in logs or "train_loss" in logs):
+            logs = {**logs, **self.accumulator.metrics()}
+        super().log(logs, start_time)
