@@ -114,7 +114,11 @@ def _replace_batchnorms(
             _check_replaceable(module, prefix)
             memo[id(module)] = replace(module, prefix)
         return memo[id(module)]
-    for child_name, child in module.named_children():
+    # `_modules` rather than `named_children()`: the latter skips a child seen under another name, which would leave
+    # the second use of a shared BatchNorm unconverted.
+    for child_name, child in list(module._modules.items()):
+        if child is None:
+            continue
         new_child = _replace_batchnorms(child, replace, f"{prefix}.{child_name}" if prefix else child_name, memo)
         if new_child is not child:
             module.add_module(child_name, new_child)

@@ -1,0 +1,138 @@
+"""GradAccumTrainer beyond one SGD step: AdamW + clipping over several steps, skipped windows (NaN, no items)
+and the counters around them, and argument validation."""
+
+import copy
+
+import datasets
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from tests.parity_cases import CASES, flat_params
+
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+def _args(tmp_path, cls=GradAccumArguments, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        learning_rate=1e-3,
+        num_train_epochs=1,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def test_adamw_with_clipping_five_steps_matches_large_batch(tmp_path):
+    """AdamW, max_grad_norm=1.0, 5 optimizer steps: 2 x 4 accumulated vs one batch of 8 (stock Trainer, no
+    accumulation). Final weights within 1e-4 relative."""
+    case = CASE_BY_NAME["bert_seq_cls"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(40, torch.Generator().manual_seed(2))
+    acc_trainer = GradAccumTrainer(
+        model=copy.deepcopy(model), args=_args(tmp_path / "acc", max_grad_norm=1.0), train_dataset=data
+    )
+    acc_trainer.train()
+    ref_args = _args(
+        tmp_path / "ref",
+        cls=TrainingArguments,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+    )
+    ref_trainer = Trainer(model=copy.deepcopy(model), args=ref_args, train_dataset=data)
+    ref_trainer.train()
+    assert acc_trainer.state.global_step == ref_trainer.state.global_step == 5
+    w0, w_acc, w_ref = flat_params(model), flat_params(acc_trainer.model), flat_params(ref_trainer.model)
+    rel = float((w_acc - w_ref).norm() / (w_ref - w0).norm())
+    print(f"AdamW 5 steps: relative distance of final weights (vs the update size) {rel:.2e}")
+    assert float((w_acc - w_ref).norm() / w_ref.norm()) <= 1e-4
+    # Per-step logged losses are the large-batch losses.
+    acc_losses = [h["loss"] for h in acc_trainer.state.log_history if "loss" in h]
+    ref_losses = [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]
+    assert acc_losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+def _regression_data_with_nan(n, nan_index):
+    data = CASE_BY_NAME["bert_regression"].make_data(n, torch.Generator().manual_seed(4))
+    labels = list(data["labels"])
+    labels[nan_index] = float("nan")
+    return data.remove_columns("labels").add_column("labels", labels)
+
+
+def test_nan_window_is_skipped_with_counters_and_state_untouched(tmp_path):
+    torch.manual_seed(0)
+    model = CASE_BY_NAME["bert_regression"].make_model()
+    # 24 samples, 2 x 4 per window: 3 windows; sample 9 (window 2) has a NaN label, so that window's loss is NaN.
+    data = _regression_data_with_nan(24, 9)
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path, max_grad_norm=1.0), train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 2  # applied steps only
+    assert trainer.accumulator.applied_steps == 2
+    assert trainer.accumulator.skipped_steps == {"non_finite_loss": 1}
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    for state in trainer.optimizer.state.values():
+        assert int(state["step"]) == 2  # AdamW's own step count skipped the bad window too
+        assert torch.isfinite(state["exp_avg"]).all() and torch.isfinite(state["exp_avg_sq"]).all()
+    assert trainer.lr_scheduler.last_epoch == 2
+    logged = [h for h in trainer.state.log_history if "accumulator/skipped_steps" in h]
+    assert logged and logged[-1]["accumulator/skipped_steps"] == 1
+
+
+def test_window_without_items_is_skipped(tmp_path):
+    case = CASE_BY_NAME["bert_token_cls"]
+    torch.manual_seed(0)
+    data = case.make_data(16, torch.Generator().manual_seed(4))
+    labels = list(data["labels"])
+    for i in range(8, 16):  # the whole second window is ignored
+        labels[i] = [-100] * len(labels[i])
+    data = data.remove_columns("labels").add_column("labels", labels)
+    trainer = GradAccumTrainer(model=case.make_model(), args=_args(tmp_path), train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert trainer.accumulator.skipped_steps == {"no_items": 1}
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "argument"),
+    [
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"accumulation_dtype": "int8"}, "accumulation_dtype"),
+        ({"overflow_policy": "retry"}, "overflow_policy"),
+        ({"loss_scale_init": 0.0}, "loss_scale_init"),
+        ({"loss_scale_init": -1.0}, "loss_scale_init"),
+        ({"loss_scale_growth_interval": 0}, "loss_scale_growth_interval"),
+        ({"loss_scale_backoff_factor": 1.0}, "loss_scale_backoff_factor"),
+        ({"loss_scale_backoff_factor": 0.0}, "loss_scale_backoff_factor"),
+        ({"loss_scale_growth_factor": 1.0}, "loss_scale_growth_factor"),
+        ({"lr_scaling_rule": "cubic"}, "lr_scaling_rule"),
+        ({"lr_scaling_rule": "linear"}, "reference_batch_size"),
+        ({"fp16": True, "bf16": True}, "fp16"),
+    ],
+)
+def test_bad_arguments_name_the_argument(tmp_path, overrides, argument):
+    with pytest.raises(ValueError, match=argument):
+        _args(tmp_path, **overrides)
+
+
+def test_plain_training_arguments_with_bad_steps_are_refused(tmp_path):
+    args = _args(tmp_path, cls=TrainingArguments)
+    args.gradient_accumulation_steps = 2.5
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        GradAccumTrainer(
+            model=CASE_BY_NAME["bert_seq_cls"].make_model(),
+            args=args,
+            train_dataset=datasets.Dataset.from_dict({"labels": [0]}),
+        )
