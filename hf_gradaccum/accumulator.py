@@ -320,11 +320,13 @@ class GradientAccumulator:
                 return loss.detach()
             for p in self.parameters:
                 p.grad = None
+            at_min_scale = self.loss_scaler.at_min_scale
             self.loss_scaler.update(found_inf=True)
-            if attempt == self.max_recompute_attempts or self.loss_scaler.at_min_scale:
+            if attempt == self.max_recompute_attempts or at_min_scale:
                 break
-            self._window.recomputed += 1
-            self.recomputed_micro_batches += 1
+            if attempt == 0:  # counted once per micro-batch, however many backoffs it needs
+                self._window.recomputed += 1
+                self.recomputed_micro_batches += 1
             logger.info(
                 "fp16 overflow in micro-batch %d: recomputing at scale %g.", self.micro_step, self.current_scale
             )
@@ -377,6 +379,17 @@ class GradientAccumulator:
                     self._fold(i, p)
         finally:
             self._fold_alpha = None
+
+    def discard_window(self) -> None:
+        """
+        Throw away everything accumulated in the current window (e.g. after an out-of-memory error in the middle of
+        a backward pass, when part of a micro-batch may already be folded), so it can be recomputed from its start.
+        """
+        if self._window is not None:
+            self.micro_step -= self._window.micro_steps
+        self._window = None
+        for p in self.parameters:
+            p.grad = None
 
     # ------------------------------------------------------------------ window end
     def _distributed(self) -> bool:

@@ -10,24 +10,37 @@ This class is a thin adapter: the accumulation itself (buffers, weighting, reduc
   the large-batch mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
 - `create_scheduler` and a callback: a skipped window (no items, NaN/inf) advances neither the scheduler nor
   `global_step`;
-- `log`: add the accumulator's counters (skipped steps, loss scale, ...).
+- `log`: add the accumulator's counters (skipped steps, loss scale, ...);
+- `train` / `save_model`: learning-rate scaling, BatchNorm momentum correction, and the accumulator's state
+  (loss scale, counters, micro-batch plan) in every checkpoint;
+- `auto_find_batch_size=True`: an out-of-memory error halves the micro-batch and doubles the accumulation steps
+  and redoes the interrupted window, so the effective batch and the number of optimizer steps stay the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import get_last_checkpoint
 
 from .accumulator import GradientAccumulator, WindowResult
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
+from .lr_scaling import recommended_warmup_steps, scale_learning_rate
+from .normalization import apply_accumulation_bn_momentum
+from .oom import is_out_of_memory, release_cached_memory, split_micro_batch
+from .planning import AccumulationPlan
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
+
+ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +85,12 @@ class GradAccumTrainer(Trainer):
             self.accelerator.scaler = torch.amp.GradScaler(self.accelerator.device.type, enabled=False)
         self.accumulator: GradientAccumulator | None = None
         self._window_items_local: float | None = None
+        self._window_batches: list[dict[str, Any]] = []
+        self._micro_index = 0
+        self._resume_state_path: str | None = None
+        # Rows per forward/backward after out-of-memory shrinking; `None` until the first OOM.
+        self.micro_batch_chunk_size: int | None = None
+        self._oom_proof = False
         self.add_callback(SkippedStepCallback(self._last_window_applied))
 
     # ------------------------------------------------------------------ accumulator
@@ -109,6 +128,8 @@ class GradAccumTrainer(Trainer):
             if state is not None and state["window"] is None:
                 # Same run, new parameter objects (e.g. re-wrapped model): keep counters and loss scale.
                 acc.load_state_dict(state)
+            elif state is None and self._resume_state_path is not None:
+                self._load_accumulator_state(acc, self._resume_state_path)
         acc.gradient_accumulation_steps = self.args.gradient_accumulation_steps
         return acc
 
@@ -139,6 +160,9 @@ class GradAccumTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        # Kept so that an out-of-memory error can redo the window from its first micro-batch.
+        self._window_batches = batch_samples
+        self._micro_index = 0
         try:
             self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
         except (ValueError, TypeError, AttributeError):
@@ -160,26 +184,17 @@ class GradAccumTrainer(Trainer):
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
         accumulator = self._get_accumulator(model)
-        num_items = self.count_micro_batch_items(inputs)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        items_tensor = torch.tensor(num_items, device=self.args.device)
-
-        def compute_loss() -> torch.Tensor:
-            with self.compute_loss_context_manager():
-                # A custom `compute_loss`/`compute_loss_func` that divides by `num_items_in_batch` gets this
-                # micro-batch's own count, so it returns the same per-micro-batch mean as the model would.
-                loss = self.compute_loss(model, inputs, num_items_in_batch=items_tensor)
-            if self.args.n_gpu > 1:
-                loss = loss.mean()  # DataParallel returns one loss per GPU
-            return loss
-
-        # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat buffer
-        # once per window.
-        with accumulator.accumulate(model):
-            loss = accumulator.accumulate_micro_batch(compute_loss, num_items)
+        micro_index = self._micro_index
+        self._micro_index += 1
+        try:
+            loss, num_items = self._accumulate(model, accumulator, inputs)
+        except Exception as error:
+            if not (self._oom_proof and is_out_of_memory(error)):
+                raise
+            loss, num_items = self._recover_from_oom(model, accumulator, inputs, micro_index, error)
 
         if self.accelerator.sync_gradients:
             self.on_window_end(accumulator.finish_window())
@@ -187,6 +202,71 @@ class GradAccumTrainer(Trainer):
         if self._window_items_local:
             return loss * (num_items / self._window_items_local)
         return loss / self.current_gradient_accumulation_steps
+
+    def _accumulate(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any]):
+        """Forward + weighted backward of one micro-batch (in chunks after an OOM). Returns (mean loss, items)."""
+        chunks = (
+            [inputs] if self.micro_batch_chunk_size is None else split_micro_batch(inputs, self.micro_batch_chunk_size)
+        )
+        loss_sum, total_items = None, 0
+        for chunk in chunks:
+            num_items = self.count_micro_batch_items(chunk)
+            chunk = self._prepare_inputs(chunk)
+            items_tensor = torch.tensor(num_items, device=self.args.device)
+
+            def compute_loss(chunk=chunk, items_tensor=items_tensor) -> torch.Tensor:
+                with self.compute_loss_context_manager():
+                    # A custom `compute_loss`/`compute_loss_func` that divides by `num_items_in_batch` gets this
+                    # micro-batch's own count, so it returns the same per-micro-batch mean as the model would.
+                    loss = self.compute_loss(model, chunk, num_items_in_batch=items_tensor)
+                if self.args.n_gpu > 1:
+                    loss = loss.mean()  # DataParallel returns one loss per GPU
+                return loss
+
+            # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
+            # buffer once per window.
+            with accumulator.accumulate(model):
+                loss = accumulator.accumulate_micro_batch(compute_loss, num_items)
+            weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+            total_items += num_items
+        return (loss_sum / total_items if total_items else loss_sum), total_items
+
+    def _recover_from_oom(self, model, accumulator, inputs, micro_index: int, error: BaseException):
+        """Shrink the micro-batch until it fits and redo the window up to (and including) this micro-batch."""
+        del error  # its traceback holds the failed attempt's activations
+        while True:
+            accumulator.discard_window()
+            release_cached_memory()
+            plan = self._shrink_plan(inputs)
+            logger.warning(
+                "Out of memory: micro-batch now %d x %d accumulation steps (effective batch %d unchanged); redoing "
+                "the interrupted window from its first micro-batch.",
+                plan.micro_batch_size,
+                plan.gradient_accumulation_steps,
+                plan.effective_batch_size,
+            )
+            self.log(
+                {
+                    "oom/micro_batch_size": float(plan.micro_batch_size),
+                    "oom/gradient_accumulation_steps": float(plan.gradient_accumulation_steps),
+                }
+            )
+            try:
+                for earlier in self._window_batches[:micro_index]:
+                    self._accumulate(model, accumulator, earlier)
+                return self._accumulate(model, accumulator, inputs)
+            except Exception as retry_error:
+                if not is_out_of_memory(retry_error):
+                    raise
+
+    def _shrink_plan(self, inputs: dict[str, Any]) -> AccumulationPlan:
+        micro = self.micro_batch_chunk_size or self._train_batch_size
+        steps = self.args.gradient_accumulation_steps * (self._train_batch_size // micro)
+        plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
+        self.micro_batch_chunk_size = plan.micro_batch_size
+        self.accumulation_plan = plan
+        return plan
 
     def on_window_end(self, result: WindowResult) -> None:
         """Called with each window's [`WindowResult`] before clipping and the optimizer step (override to inspect)."""
@@ -196,6 +276,96 @@ class GradAccumTrainer(Trainer):
                 result.skip_reason,
                 self.state.global_step,
             )
+
+    # ------------------------------------------------------------------ mixed precision
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """
+        Accelerate autocasts the forward pass when it supports the device; it does not for fp16 on CPU, so the
+        fp16 path (autocast + this project's loss scaling) is switched on here instead of silently training in fp32.
+        """
+        if self.args.fp16 and not self.accelerator.native_amp:
+            return torch.autocast(device_type=self.args.device.type, dtype=torch.float16, cache_enabled=cache_enabled)
+        return super().autocast_smart_context_manager(cache_enabled)
+
+    # ------------------------------------------------------------------ train, checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """[`~transformers.Trainer.train`], plus learning-rate scaling, BatchNorm momentum correction, restoring the
+        accumulator's state on resume, and effective-batch-preserving `auto_find_batch_size`."""
+        self._apply_lr_scaling()
+        if gradaccum_option(self.args, "batchnorm_momentum_correction"):
+            apply_accumulation_bn_momentum(self.model, self.args.gradient_accumulation_steps)
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            path = os.path.join(resume_from_checkpoint, ACCUMULATOR_STATE_NAME)
+            self._resume_state_path = path if os.path.isfile(path) else None
+        # The stock `auto_find_batch_size` halves the batch and leaves the accumulation steps alone (the effective
+        # batch shrinks) and restarts the whole loop; ours recovers inside the window, in `training_step`.
+        self._oom_proof = bool(self.args.auto_find_batch_size)
+        self.args.auto_find_batch_size = False
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.auto_find_batch_size = self._oom_proof
+
+    def _apply_lr_scaling(self) -> None:
+        rule = gradaccum_option(self.args, "lr_scaling_rule")
+        if rule == "none" or getattr(self, "_base_learning_rate", None) is not None:
+            return
+        self._base_learning_rate = self.args.learning_rate
+        effective = (
+            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        )
+        reference = gradaccum_option(self.args, "reference_batch_size")
+        self.args.learning_rate = scale_learning_rate(
+            self.args.learning_rate, base_batch_size=reference, new_batch_size=effective, rule=rule
+        )
+        logger.warning(
+            "lr_scaling_rule=%s: learning rate %g (tuned at batch %d) -> %g at effective batch %d.",
+            rule,
+            self._base_learning_rate,
+            reference,
+            self.args.learning_rate,
+            effective,
+        )
+        if rule == "linear" and effective > reference and not (self.args.warmup_steps or self.args.warmup_ratio):
+            steps_per_epoch = max(1, len(self.train_dataset) // effective) if self.train_dataset is not None else 1
+            logger.warning(
+                "Linear LR scaling by %.3gx without warmup is unstable early in training (Goyal et al. 2017); "
+                "consider `warmup_steps=%d`.",
+                effective / reference,
+                recommended_warmup_steps(
+                    base_batch_size=reference, new_batch_size=effective, steps_per_epoch=steps_per_epoch
+                ),
+            )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        # `_save_checkpoint` saves the model through here; the accumulator's state goes next to it.
+        if _internal_call and output_dir is not None and self.accumulator is not None and self.args.should_save:
+            state = {
+                "accumulator": self.accumulator.state_dict(),
+                "effective_batch_size": self._effective_batch_size(),
+                "micro_batch_chunk_size": self.micro_batch_chunk_size,
+            }
+            tmp = os.path.join(output_dir, ACCUMULATOR_STATE_NAME + ".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(output_dir, ACCUMULATOR_STATE_NAME))  # never a half-written file
+
+    def _effective_batch_size(self) -> int:
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+
+    def _load_accumulator_state(self, acc: GradientAccumulator, path: str) -> None:
+        state = torch.load(path, weights_only=False)
+        if state["effective_batch_size"] != self._effective_batch_size():
+            raise ValueError(
+                f"Cannot resume from {os.path.dirname(path)}: it was trained with an effective batch of "
+                f"{state['effective_batch_size']} (micro-batch x gradient_accumulation_steps x world_size) and this "
+                f"run uses {self._effective_batch_size()}. Resume with the same effective batch, or start a new run."
+            )
+        acc.load_state_dict(state["accumulator"])
+        self.micro_batch_chunk_size = state.get("micro_batch_chunk_size")
+        logger.info("Restored accumulator state from %s: %s", path, acc.metrics())
 
     # ------------------------------------------------------------------ scheduler and logging
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
