@@ -1,0 +1,146 @@
+"""OOM-proof training: `auto_find_batch_size=True` halves the micro-batch, doubles the accumulation steps, redoes
+the interrupted window, and ends with the same weights (relative update error <= 1e-5) and the same number of
+optimizer steps as the unlimited large-batch run."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertForSequenceClassification
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from tests.parity_cases import flat_params, seq_cls_data, tiny_bert_config
+
+RTOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (emulated in backward)")
+
+
+class MemoryLimitedBert(BertForSequenceClassification):
+    """A BERT that "runs out of memory" above `max_rows` rows per forward/backward.
+
+    `where="forward"`: raised in the forward pass. `where="backward"`: raised half-way through the backward pass
+    (after the classifier and encoder gradients were already folded), and only from the second large call on, so
+    the OOM hits the middle of a window."""
+
+    max_rows = 8
+    where = "forward"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.large_calls = 0
+        self.bert.embeddings.register_forward_hook(self._limit)
+
+    def _limit(self, module, inputs, output):
+        if not self.training or output.shape[0] <= self.max_rows:
+            return output
+        self.large_calls += 1
+        if self.where == "forward":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate for {output.shape[0]} rows")
+        return _RaiseInBackward.apply(output) if self.large_calls >= 2 else output
+
+
+def _args(tmp_path, micro, steps, **overrides):
+    return GradAccumArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=steps,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        num_train_epochs=1,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **overrides,
+    )
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_oom_shrinks_micro_batch_and_keeps_the_large_batch_update(tmp_path, where):
+    torch.manual_seed(0)
+    config = tiny_bert_config(num_labels=3)
+    limited = MemoryLimitedBert(config)
+    limited.where = where
+    reference_model = BertForSequenceClassification(config)
+    reference_model.load_state_dict(limited.state_dict())
+    w0 = flat_params(reference_model)
+    data = seq_cls_data(256, torch.Generator().manual_seed(1))  # 4 optimizer steps of 64
+
+    trainer = GradAccumTrainer(
+        model=limited, args=_args(tmp_path / "oom", 32, 2, auto_find_batch_size=True), train_dataset=data
+    )
+    trainer.train()
+    plan = trainer.accumulation_plan
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.effective_batch_size) == (8, 8, 64)
+
+    reference = GradAccumTrainer(
+        model=copy.deepcopy(reference_model), args=_args(tmp_path / "ref", 64, 1), train_dataset=data
+    )
+    reference.train()
+    assert trainer.state.global_step == reference.state.global_step == 4
+    d, d_ref = flat_params(trainer.model) - w0, flat_params(reference.model) - w0
+    err = float((d - d_ref).norm() / d_ref.norm())
+    print(f"OOM in {where}: 32 x 2 -> 8 x 8, relative update error vs batch 64: {err:.2e}")
+    assert err <= RTOL
+
+
+def test_without_auto_find_batch_size_the_oom_propagates(tmp_path):
+    torch.manual_seed(0)
+    model = MemoryLimitedBert(tiny_bert_config(num_labels=3))
+    data = seq_cls_data(64, torch.Generator().manual_seed(1))
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path, 32, 2), train_dataset=data)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+
+
+def test_oom_at_one_sample_gives_a_clear_error(tmp_path):
+    torch.manual_seed(0)
+    model = MemoryLimitedBert(tiny_bert_config(num_labels=3))
+    model.max_rows = 0
+    data = seq_cls_data(16, torch.Generator().manual_seed(1))
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path, 4, 2, auto_find_batch_size=True), train_dataset=data)
+    with pytest.raises(RuntimeError, match="below 1 sample"):
+        trainer.train()
+
+
+def _worker(tmp_path, name, micro, steps, limit_mb):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "tests.workers.oom_worker", "--micro", str(micro), "--steps", str(steps)]
+    cmd += ["--limit_mb", str(limit_mb), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+def test_real_cpu_allocation_failure_under_address_space_limit(tmp_path):
+    """A subprocess under RLIMIT_AS (150 MiB above its size at start): the CPU allocator really fails for 32 rows
+    of a model whose activations are 8 MiB per sample; training completes at a smaller micro-batch, with the update
+    of the unlimited batch-64 run."""
+    limited, log = _worker(tmp_path, "limited", 32, 2, limit_mb=150)
+    assert "Out of memory" in log
+    assert limited["micro_batch_chunk_size"] is not None and limited["micro_batch_chunk_size"] < 32
+    micro, steps = limited["plan"]
+    assert micro * steps == 64
+    unlimited, _ = _worker(tmp_path, "unlimited", 64, 1, limit_mb=0)
+    assert limited["global_step"] == unlimited["global_step"] == 2
+    d, d_ref = torch.tensor(limited["update"]), torch.tensor(unlimited["update"])
+    err = float((d - d_ref).norm() / d_ref.norm())
+    print(f"real CPU OOM: micro-batch 32 -> {micro} ({micro} x {steps}); relative update error vs batch 64: {err:.2e}")
+    assert err <= RTOL
