@@ -100,6 +100,7 @@ class _Window:
     recomputed: int = 0
     loss_sum: torch.Tensor | None = None
     overflowed: bool = False
+    backoffs: int = 0
     touched: list[bool] = field(default_factory=list)
 
 
@@ -203,6 +204,7 @@ class GradientAccumulator:
         self.skipped_steps: Counter[str] = Counter()
         self.recomputed_micro_batches = 0
         self.num_gradient_reductions = 0
+        self.num_collectives = 0
         self.last_result: WindowResult | None = None
 
     # ------------------------------------------------------------------ hooks and folding
@@ -322,6 +324,7 @@ class GradientAccumulator:
                 p.grad = None
             at_min_scale = self.loss_scaler.at_min_scale
             self.loss_scaler.update(found_inf=True)
+            self._window.backoffs += 1
             if attempt == self.max_recompute_attempts or at_min_scale:
                 break
             if attempt == 0:  # counted once per micro-batch, however many backoffs it needs
@@ -415,23 +418,27 @@ class GradientAccumulator:
                     "(or `accumulate_micro_batch`) instead of `loss.backward()`."
                 )
 
+        # Everything the ranks must agree on travels in one small float64 vector (summed): items, the overflow
+        # flag, which parameters got a gradient, local loss-scale backoffs, and each rank's scale in its own slot.
         device = next(iter(self._buffers))
-        stats = torch.tensor(
-            [window.items, float(window.overflowed), *map(float, window.touched)], dtype=torch.float64, device=device
+        world, rank = (
+            (torch.distributed.get_world_size(), torch.distributed.get_rank()) if self._distributed() else (1, 0)
         )
-        loss_sum = window.loss_sum
-        if self._distributed():
-            dist = torch.distributed
+        scales = [0.0] * world
+        scales[rank] = self.current_scale
+        local = [window.items, float(window.overflowed), float(window.backoffs), *scales, *map(float, window.touched)]
+        stats = torch.cat([torch.tensor(local, dtype=torch.float64, device=device), window.loss_sum.reshape(1)])
+        if world > 1:
             for buffer in self._buffers.values():
-                dist.all_reduce(buffer)
-            stats = torch.cat([stats, loss_sum.reshape(1)])
-            dist.all_reduce(stats)
-            loss_sum = stats[-1]
-            stats = stats[:-1]
+                torch.distributed.all_reduce(buffer)
+            torch.distributed.all_reduce(stats)
             self.num_gradient_reductions += 1
+            self.num_collectives += len(self._buffers) + 1
         stats = stats.tolist()
-        items, overflowed, touched = stats[0], stats[1] > 0, [t > 0 for t in stats[2:]]
-        loss_sum = float(loss_sum)
+        items, overflowed, backoffs = stats[0], stats[1] > 0, stats[2]
+        min_scale = min(stats[3 : 3 + world])
+        touched = [t > 0 for t in stats[3 + world : -1]]
+        loss_sum = stats[-1]
 
         finite_grads = all(bool(torch.isfinite(b).all()) for b in self._buffers.values())
         skip_reason = None
@@ -460,8 +467,8 @@ class GradientAccumulator:
                 "Skipping optimizer step %d: %s.", self.applied_steps + sum(self.skipped_steps.values()), skip_reason
             )
 
-        if self.loss_scaler is not None and skip_reason in (None, "overflow", "non_finite_grad"):
-            self.loss_scaler.update(found_inf=skip_reason is not None)
+        if self.loss_scaler is not None:
+            self._update_loss_scale(skip_reason, backoffs > 0, min_scale)
 
         result = WindowResult(
             applied=skip_reason is None,
@@ -474,6 +481,18 @@ class GradientAccumulator:
         self._window = None
         self.last_result = result
         return result
+
+    def _update_loss_scale(self, skip_reason: str | None, any_backoff: bool, min_scale: float) -> None:
+        """One decision for all ranks: every rank ends the window with the smallest scale any rank backed off to
+        (a rank that recomputed a micro-batch backed off alone), and grows only after windows clean everywhere."""
+        scaler = self.loss_scaler
+        scaler.scale = min_scale
+        if skip_reason in ("overflow", "non_finite_grad"):
+            scaler.update(found_inf=True)
+        elif any_backoff:
+            scaler.growth_tracker = 0
+        elif skip_reason is None:
+            scaler.update(found_inf=False)
 
     def step(
         self,
@@ -533,6 +552,7 @@ class GradientAccumulator:
                 "items": w.items,
                 "recomputed": w.recomputed,
                 "overflowed": w.overflowed,
+                "backoffs": w.backoffs,
                 "loss_sum": w.loss_sum.detach().cpu(),
                 "touched": list(w.touched),
                 "buffers": [b.detach().cpu().clone() for b in self._buffers.values()],
@@ -569,6 +589,7 @@ class GradientAccumulator:
             w = self._window
             w.micro_steps, w.items, w.recomputed = window["micro_steps"], window["items"], window["recomputed"]
             w.overflowed, w.touched = window["overflowed"], list(window["touched"])
+            w.backoffs = window.get("backoffs", 0)
             w.loss_sum.copy_(window["loss_sum"])
 
     def remove_hooks(self) -> None:

@@ -197,8 +197,10 @@ def reference_windows(n: int, micro: int, steps: int) -> list[list[int]]:
     return [sum(batches[i : i + steps], []) for i in range(0, len(batches), steps)]
 
 
-def large_batch_reference(case: ParityCase, model: torch.nn.Module, data: datasets.Dataset, windows: list[list[int]]):
-    """SGD(lr=1) steps, one per window, each on the window's samples as one batch: the update to match."""
+def large_batch_reference(
+    case: ParityCase, model: torch.nn.Module, data: datasets.Dataset, windows: list[list[int]], lr: float = 1.0
+):
+    """SGD steps (lr=1 by default), one per window, each on the window's samples as one batch: the update to match."""
     model = copy.deepcopy(model)
     model.train()
     for window in windows:
@@ -216,7 +218,7 @@ def large_batch_reference(case: ParityCase, model: torch.nn.Module, data: datase
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
-                    p -= p.grad
+                    p -= lr * p.grad
     return model
 
 

@@ -1,19 +1,18 @@
-"""2 CPU processes (gloo, `accelerate.debug_launcher`): one optimizer step equals the large-batch step over all ranks'
+"""2 CPU processes (gloo, `accelerate launch --config_file configs/accelerate/cpu_2proc.yaml`): one optimizer step equals the large-batch step over all ranks'
 samples (relative update error <= 1e-5), with uneven micro-batches and ranks that hold different item counts; one
 flat-buffer reduction per window instead of one DDP all-reduce per bucket per micro-batch."""
 
-import functools
 import json
 
 import pytest
-from accelerate import debug_launcher
 
+from tests.multiprocess import launch
 from tests.workers import ddp_workers
 
 
 @pytest.mark.parametrize("case_name", ["bert_seq_cls", "gpt2_causal_lm"])
 def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
-    debug_launcher(functools.partial(ddp_workers.plain_loop_parity, case_name, str(tmp_path)), num_processes=2)
+    launch("plain_loop_parity", case_name, str(tmp_path))
     records = [json.loads((tmp_path / f"{case_name}_rank{r}.json").read_text()) for r in (0, 1)]
     for r in records:
         print(
@@ -25,12 +24,16 @@ def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
         assert r["ddp_allreduces_ours"] == 0 and r["flat_buffer_reductions_ours"] == 1
         assert r["ddp_allreduces_stock"] >= 2  # one per bucket per micro-batch without the no-sync path
     assert records[0]["local_items"] != records[1]["local_items"]
-    assert records[0]["window_items"] == records[1]["window_items"] == records[0]["local_items"] + records[1]["local_items"]
+    assert (
+        records[0]["window_items"]
+        == records[1]["window_items"]
+        == records[0]["local_items"] + records[1]["local_items"]
+    )
 
 
 @pytest.mark.parametrize("case_name", ["bert_seq_cls", "gpt2_causal_lm"])
 def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
-    debug_launcher(functools.partial(ddp_workers.trainer_parity, case_name, str(tmp_path)), num_processes=2)
+    launch("trainer_parity", case_name, str(tmp_path))
     for r in (0, 1):
         record = json.loads((tmp_path / f"trainer_{case_name}_rank{r}.json").read_text())
         print(f"GradAccumTrainer DDP {case_name} rank {r}: rel. update error {record['err']:.2e}")

@@ -9,6 +9,7 @@ import os
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from transformers import default_data_collator
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator, count_items_in_batch
@@ -35,7 +36,13 @@ class CommCounter:
         return torch.distributed.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def fresh_accelerate_state() -> None:
+    """The launcher forks the pytest process, whose Accelerate singletons may describe an earlier 1-process run."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def plain_loop_parity(case_name: str, out_dir: str) -> None:
+    fresh_accelerate_state()
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     case = CASE_BY_NAME[case_name]
@@ -57,7 +64,10 @@ def plain_loop_parity(case_name: str, out_dir: str) -> None:
 
     reference = large_batch_reference(case, initial, data, [list(range(10))])
     err = relative_update_error(initial, accelerator.unwrap_model(ddp_model), reference)
-    local_items = sum(count_items_in_batch(default_data_collator([data[i] for i in ix]), shift_labels=case.shift_labels) for ix in LAYOUT[rank])
+    local_items = sum(
+        count_items_in_batch(default_data_collator([data[i] for i in ix]), shift_labels=case.shift_labels)
+        for ix in LAYOUT[rank]
+    )
     # The stock path for comparison: plain DDP backward on every micro-batch, all-reducing each time.
     stock = accelerator.prepare(copy.deepcopy(initial))
     stock_counter = CommCounter()
@@ -82,6 +92,7 @@ def plain_loop_parity(case_name: str, out_dir: str) -> None:
 
 def trainer_parity(case_name: str, out_dir: str) -> None:
     """GradAccumTrainer under 2-process DDP vs the large-batch SGD steps over both ranks' samples."""
+    fresh_accelerate_state()
     case = CASE_BY_NAME[case_name]
     torch.manual_seed(0)
     model = case.make_model()
@@ -115,3 +126,68 @@ def trainer_parity(case_name: str, out_dir: str) -> None:
     assert trainer.state.global_step == 2
     assert trainer.accumulator.num_gradient_reductions == 2
     assert err <= RTOL, record
+
+
+def fp16_overflow_consistency(policy: str, inject: str, out_dir: str) -> None:
+    """fp16 (CPU autocast) + dynamic loss scaling on 2 ranks; with `inject == "yes"` only rank 1's micro-batch 2 of
+    the first window overflows (a regression label of 300: its scaled gradient exceeds fp16's range, its loss does
+    not). Checks that both ranks take the same decision and end bitwise identical."""
+    from hf_gradaccum import DynamicLossScaler
+
+    fresh_accelerate_state()
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    case = CASE_BY_NAME["bert_regression"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    initial = copy.deepcopy(model)
+    data = case.make_data(32, torch.Generator().manual_seed(3))  # 2 windows x 2 ranks x 4 micro-batches x 2
+    labels = list(data["labels"])
+    overflow_sample = 8 + 2 * 2  # rank 1's share of window 1 starts at 8; its micro-batch 2 starts at 12
+    if inject == "yes":
+        labels[overflow_sample] = 300.0
+    data = data.remove_columns("labels").add_column("labels", labels)
+
+    ddp_model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    acc = GradientAccumulator(ddp_model, 4, loss_scaler=scaler, overflow_policy=policy)
+    window_samples = []
+    for window in range(2):
+        base = window * 16 + rank * 8
+        for micro in range(4):
+            indices = list(range(base + 2 * micro, base + 2 * micro + 2))
+            batch = default_data_collator([data[i] for i in indices])
+
+            def compute_loss(batch=batch):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    return ddp_model(**batch).loss
+
+            with acc.accumulate(ddp_model):
+                if policy == "recompute":
+                    acc.accumulate_micro_batch(compute_loss, num_items=2)
+                else:
+                    acc.backward(compute_loss(), num_items=2)
+        acc.step(optimizer)
+        window_samples.append(list(range(window * 16, window * 16 + 16)))
+
+    flat = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(ddp_model).parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat)
+    scales = [None] * world
+    torch.distributed.all_gather_object(scales, scaler.scale)
+    record = {
+        "rank": rank,
+        "weights_bitwise_equal": all(torch.equal(gathered[0], g) for g in gathered),
+        "scales": scales,
+        "applied": acc.applied_steps,
+        "skipped": dict(acc.skipped_steps),
+        "recomputed": acc.recomputed_micro_batches,
+        "gradient_reductions": acc.num_gradient_reductions,
+        "collectives": acc.num_collectives,
+        "unchanged": torch.equal(flat, torch.cat([p.detach().flatten() for p in initial.parameters()])),
+    }
+    if policy == "recompute":
+        reference = large_batch_reference(case, initial, data, window_samples, lr=1e-3)
+        record["err"] = relative_update_error(initial, accelerator.unwrap_model(ddp_model), reference)
+    with open(os.path.join(out_dir, f"fp16_{policy}_{inject}_rank{rank}.json"), "w") as f:
+        json.dump(record, f)

@@ -1,0 +1,23 @@
+"""Run a worker on 2 real CPU processes with `accelerate launch` (gloo). A fresh launcher process per test: forking
+the pytest process after torch has started its thread pool can deadlock the children."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args: str, script: str = "tests/workers/run_ddp.py", timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml"]
+    cmd += ["--main_process_port", str(free_port()), script, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
