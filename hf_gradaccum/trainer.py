@@ -22,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from .accumulator import GradientAccumulator, WindowResult
 from .arguments import gradaccum_option, validate_gradaccum_fields
+from .checkpointing import publish_directory
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
 from .lr_scaling import recommended_warmup_steps, scale_learning_rate
@@ -41,6 +43,8 @@ from .planning import AccumulationPlan
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
+# Checkpoints are written here first and renamed into place when complete (see `_save_checkpoint`).
+STAGING_DIR_NAME = ".incomplete-checkpoints"
 
 logger = logging.getLogger(__name__)
 
@@ -351,6 +355,39 @@ class GradAccumTrainer(Trainer):
             tmp = os.path.join(output_dir, ACCUMULATOR_STATE_NAME + ".tmp")
             torch.save(state, tmp)
             os.replace(tmp, os.path.join(output_dir, ACCUMULATOR_STATE_NAME))  # never a half-written file
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """
+        Write the checkpoint atomically: into a staging directory, then renamed to `checkpoint-N` once every file
+        (model, optimizer, scheduler, RNG states, trainer and accumulator state) is there. A crash while saving
+        leaves the previous checkpoints intact and never a half-written `checkpoint-N`. This overrides a private
+        Trainer method (pinned transformers range in pyproject.toml): there is no public hook around the save.
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_DIR_NAME)
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.isdir(staged):
+            shutil.rmtree(staged)  # left by a crash during an earlier save
+        self.accelerator.wait_for_everyone()
+        # The parent computes the checkpoint path from `_get_output_dir`; point it at the staging area.
+        self._get_output_dir = lambda trial=None: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        self.accelerator.wait_for_everyone()  # every rank's RNG state is in the staged directory
+        if self.args.should_save:
+            publish_directory(staged, final)
+            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
+                self.state.best_model_checkpoint = final + self.state.best_model_checkpoint[len(staged) :]
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
 
     def _effective_batch_size(self) -> int:
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
