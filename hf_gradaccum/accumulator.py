@@ -73,6 +73,31 @@ def validate_accumulation_steps(steps: Any, name: str = "gradient_accumulation_s
     return steps
 
 
+def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
+    """
+    FSDP and DeepSpeed shard (and reduce-scatter) gradients themselves, so a flat buffer of full gradients cannot sit
+    between backward and the optimizer: refuse them with an error that says what to use, instead of training wrong.
+    """
+    if not isinstance(model, nn.Module):
+        return
+    engine = None
+    if any(
+        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or type(m).__name__.startswith("FSDP")
+        for m in model.modules()
+    ):
+        engine = "FSDP"
+    elif type(model).__name__ == "DeepSpeedEngine":
+        engine = "DeepSpeed"
+    elif any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        engine = "FSDP2/tensor parallelism (DTensor parameters)"
+    if engine is not None:
+        raise ValueError(
+            f"GradientAccumulator does not support {engine}: the engine shards and reduces gradients itself. Use DDP "
+            "(`accelerate launch` without an FSDP/DeepSpeed config) with hf_gradaccum, or the engine's own gradient "
+            "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
+        )
+
+
 @dataclass
 class WindowResult:
     """What happened at the end of one accumulation window."""
@@ -168,6 +193,7 @@ class GradientAccumulator:
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
 
+        refuse_sharded_engines(model)
         params = model.parameters() if isinstance(model, nn.Module) else model
         seen: set[int] = set()
         self.parameters: list[nn.Parameter] = []

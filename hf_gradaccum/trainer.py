@@ -70,8 +70,9 @@ class GradAccumTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+        wants_deepspeed = self.is_deepspeed_enabled or bool(getattr(self.args, "deepspeed", None))
+        if wants_deepspeed or self.is_fsdp_enabled or bool(getattr(self.args, "fsdp", None)):
+            engine = "DeepSpeed" if wants_deepspeed else "FSDP"
             raise ValueError(
                 f"GradAccumTrainer does not support {engine}: the engine accumulates and reduces gradients itself, "
                 "so this project's buffers and item weighting would be bypassed. Use DDP (`accelerate launch` "

@@ -38,3 +38,11 @@ def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
         record = json.loads((tmp_path / f"trainer_{case_name}_rank{r}.json").read_text())
         print(f"GradAccumTrainer DDP {case_name} rank {r}: rel. update error {record['err']:.2e}")
         assert record["err"] <= ddp_workers.RTOL
+
+
+def test_fsdp_is_refused_with_a_clear_error(tmp_path):
+    launch("sharded_engines_refused", str(tmp_path))
+    for r in (0, 1):
+        messages = json.loads((tmp_path / f"refused_rank{r}.json").read_text())
+        assert "FSDP" in messages["trainer"] and "DDP" in messages["trainer"]
+        assert "FSDP" in messages["plain"] and "DDP" in messages["plain"]

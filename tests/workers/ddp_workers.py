@@ -191,3 +191,29 @@ def fp16_overflow_consistency(policy: str, inject: str, out_dir: str) -> None:
         record["err"] = relative_update_error(initial, accelerator.unwrap_model(ddp_model), reference)
     with open(os.path.join(out_dir, f"fp16_{policy}_{inject}_rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+def sharded_engines_refused(out_dir: str) -> None:
+    """FSDP through the Trainer and FSDP2 (`fully_shard`) in a plain loop are refused with a clear error."""
+    from torch.distributed.fsdp import fully_shard
+
+    fresh_accelerate_state()
+    case = CASE_BY_NAME["bert_seq_cls"]
+    messages = {}
+    args = GradAccumArguments(
+        output_dir=os.path.join(out_dir, "fsdp"), fsdp="full_shard", use_cpu=True, report_to=[], save_strategy="no"
+    )
+    try:
+        GradAccumTrainer(model=case.make_model(), args=args, train_dataset=case.make_data(4, torch.Generator()))
+    except ValueError as error:
+        messages["trainer"] = str(error)
+    torch.distributed.barrier()
+    model = case.make_model()
+    fully_shard(model)
+    try:
+        GradientAccumulator(model, 2)
+    except ValueError as error:
+        messages["plain"] = str(error)
+    rank = torch.distributed.get_rank()
+    with open(os.path.join(out_dir, f"refused_rank{rank}.json"), "w") as f:
+        json.dump(messages, f)
