@@ -17,6 +17,8 @@ from transformers import (
     BertForTokenClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    ResNetConfig,
+    ResNetForImageClassification,
     Trainer,
     ViTConfig,
     ViTForImageClassification,
@@ -99,6 +101,16 @@ def _to_dataset(rows: dict[str, torch.Tensor]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({k: v.tolist() for k, v in rows.items()})
 
 
+def tiny_resnet_groupnorm() -> ResNetForImageClassification:
+    """A ResNet head (it ignores `num_items_in_batch`) with BatchNorm converted to GroupNorm, so it can match."""
+    from hf_gradaccum import convert_batchnorm_to_groupnorm
+
+    config = ResNetConfig(
+        num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5
+    )
+    return convert_batchnorm_to_groupnorm(ResNetForImageClassification(config), num_groups=4)
+
+
 def tiny_vit() -> ViTForImageClassification:
     config = ViTConfig(
         image_size=8,
@@ -168,6 +180,7 @@ CASES = [
         shift_labels=True,
     ),
     ParityCase("vit_image_cls", tiny_vit, image_data),
+    ParityCase("resnet_groupnorm_image_cls", tiny_resnet_groupnorm, image_data),
     ParityCase(
         "user_compute_loss",
         lambda: BertForSequenceClassification(tiny_bert_config(num_labels=3)),
