@@ -98,6 +98,17 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
         )
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite, in one fast read pass: any inf or NaN makes the sum inf or NaN. Only a
+    non-finite sum (which finite values can also produce, by overflowing) pays for the exact check.
+    `isfinite(t).all()` alone materialises a bool tensor as large as `t`: 20x slower than the sum on a CPU."""
+    # Half-precision buffers are summed in fp32: their own range (fp16: 65504) would overflow needlessly.
+    total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 else tensor.sum()
+    if bool(torch.isfinite(total)):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 @dataclass
 class WindowResult:
     """What happened at the end of one accumulation window."""
@@ -466,7 +477,7 @@ class GradientAccumulator:
         touched = [t > 0 for t in stats[3 + world : -1]]
         loss_sum = stats[-1]
 
-        finite_grads = all(bool(torch.isfinite(b).all()) for b in self._buffers.values())
+        finite_grads = all(_all_finite(b) for b in self._buffers.values())
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"

@@ -9,6 +9,9 @@ An arm name is `<kind>` or `<kind>_<batchnorm>`:
   exact);
 - kind `small_batch`: `micro` samples per step and no accumulation, for the same number of epochs (what people do
   when the large batch does not fit);
+- kind `noise_floor`: the reference with every weight perturbed by 1e-7 relative before training: the drift that
+  fp32 rounding alone causes (an accumulated arm and the reference differ by about one rounding after their first
+  step; networks with ReLU/max-pool kinks amplify such differences over the following steps);
 - optional suffix `keep | groupnorm | freeze | momentum`: how BatchNorm layers are treated in that arm (see
   `hf_gradaccum.normalization`); without a suffix the recipe's `batchnorm` option applies.
 
@@ -33,7 +36,9 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ProgressCallback
 
-ARM_KINDS = ("reference", "accumulated", "small_batch")
+ARM_KINDS = ("reference", "accumulated", "small_batch", "noise_floor")
+#: Relative size of the weight perturbation of a `noise_floor` arm: about one fp32 rounding (2**-24 ~ 6e-8).
+NOISE_FLOOR_PERTURBATION = 1e-7
 BATCHNORM_MODES = ("keep", "groupnorm", "freeze", "momentum")
 ARM_RESULT_FILE = "arm_result.json"
 ARM_WEIGHTS_FILE = "weights.safetensors"
@@ -48,7 +53,8 @@ class ParityArguments:
         metadata={
             "help": "Arms to run, each in its own subprocess: reference (micro x N samples, 1 micro-batch per step), "
             "accumulated (micro samples x N micro-batches), small_batch (micro samples, 1 micro-batch per step), "
-            "optionally suffixed _keep/_groupnorm/_freeze/_momentum for the BatchNorm treatment."
+            "noise_floor (the reference with every weight perturbed by 1e-7 relative: how far fp32 rounding alone "
+            "moves the large-batch run), optionally suffixed _keep/_groupnorm/_freeze/_momentum for the BatchNorm treatment."
         },
     )
     max_memory_mb: float | None = field(
@@ -153,6 +159,9 @@ def plan_arms(
         mode = suffix or batchnorm
         if kind == "reference":
             micro, steps, compared_to = micro_batch_size * gradient_accumulation_steps, 1, None
+        elif kind == "noise_floor":
+            micro, steps = micro_batch_size * gradient_accumulation_steps, 1
+            compared_to = _reference_for(mode, names, batchnorm)
         else:
             micro, steps = micro_batch_size, gradient_accumulation_steps if kind == "accumulated" else 1
             compared_to = _reference_for(mode, names, batchnorm)
@@ -171,6 +180,34 @@ def _reference_for(mode: str, names: Sequence[str], batchnorm: str) -> str | Non
     if "reference" in names and same_model(mode, batchnorm):
         return "reference"
     return None
+
+
+def perturb_for_noise_floor(model: torch.nn.Module, *, relative: float = NOISE_FLOOR_PERTURBATION, seed: int = 0):
+    """
+    Multiply every trainable weight by `1 + relative * e` with `e ~ N(0, 1)` from a fixed seed: the `noise_floor`
+    arm's model. Two mathematically equal fp32 computations (one batch of 64, or 8 micro-batches of 8) differ by
+    about this much after one step, so how far this arm drifts from the reference bounds the drift that rounding
+    alone can cause; networks with ReLU/max-pool kinks amplify it step after step, smooth ones (GELU BERT) do not.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.arms import perturb_for_noise_floor
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> before = layer.weight.detach().clone()
+    >>> _ = perturb_for_noise_floor(layer)
+    >>> 0 < float((layer.weight - before).norm() / before.norm()) < 1e-6
+    True
+    ```
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.mul_(1 + relative * noise.to(device=param.device, dtype=param.dtype))
+    return model
 
 
 def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:

@@ -60,6 +60,7 @@ from hf_gradaccum.arms import (
     failed_arm_result,
     launch_command,
     peak_memory_mb,
+    perturb_for_noise_floor,
     plan_arms,
     reset_peak_memory,
     run_arms_in_subprocesses,
@@ -264,6 +265,8 @@ def run_arm(
     tokenizer = AutoTokenizer.from_pretrained(model_path(recipe_args))
     train_dataset, eval_dataset = tokenize(data, tokenizer, recipe_args.max_length)
     model = build_model(recipe_args, data.label_names)
+    if spec.kind == "noise_floor":
+        perturb_for_noise_floor(model)
 
     accuracy = evaluate.load(metric_path("accuracy"))
 

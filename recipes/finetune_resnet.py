@@ -60,6 +60,7 @@ from hf_gradaccum.arms import (
     failed_arm_result,
     launch_command,
     peak_memory_mb,
+    perturb_for_noise_floor,
     plan_arms,
     reset_peak_memory,
     run_arms_in_subprocesses,
@@ -319,6 +320,8 @@ def run_arm(
     batchnorm_layers = apply_batchnorm_mode(
         model, spec.batchnorm, steps=spec.gradient_accumulation_steps, groups=recipe_args.groupnorm_groups
     )
+    if spec.kind == "noise_floor":
+        perturb_for_noise_floor(model)
     collator = ImageCollator(recipe_args.image_size, model.config.num_channels, mean, std)
 
     accuracy = evaluate.load(metric_path("accuracy"))

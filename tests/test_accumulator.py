@@ -197,3 +197,16 @@ def test_state_dict_round_trip_mid_window_gives_the_same_step():
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         GradientAccumulator(copy.deepcopy(model), 4).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_check_is_exact_even_when_the_fast_sum_overflows(dtype):
+    from hf_gradaccum.accumulator import _all_finite
+
+    big = torch.finfo(dtype).max
+    assert _all_finite(torch.full((1000,), big, dtype=dtype))  # the sum overflows; every element is finite
+    assert _all_finite(torch.zeros(10, dtype=dtype))
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        tensor = torch.ones(1000, dtype=dtype)
+        tensor[: len(bad)] = torch.tensor(bad, dtype=dtype)
+        assert not _all_finite(tensor), bad

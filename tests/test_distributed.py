@@ -46,3 +46,22 @@ def test_fsdp_is_refused_with_a_clear_error(tmp_path):
         messages = json.loads((tmp_path / f"refused_rank{r}.json").read_text())
         assert "FSDP" in messages["trainer"] and "DDP" in messages["trainer"]
         assert "FSDP" in messages["plain"] and "DDP" in messages["plain"]
+
+
+def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):
+    """`accelerate launch` of the BERT recipe on 2 CPU processes (tiny config): each arm runs as a 2-rank job, the
+    effective batch counts both ranks, and the accumulated arm still matches the large batch step for step."""
+    from hf_gradaccum.reporting import load_parity_report
+
+    out = tmp_path / "bert_2proc"
+    proc = launch(
+        "--config", "configs/finetune_bert_tiny.yaml", "--output_dir", str(out),
+        script="recipes/finetune_bert.py", timeout=600,
+    )  # fmt: skip
+    report = load_parity_report(out / "parity_report.json")
+    arms = {arm["name"]: arm for arm in report["arms"]}
+    assert all(arm["status"] == "ok" for arm in arms.values()), proc.stdout[-3000:]
+    assert {arm["world_size"] for arm in arms.values()} == {2}
+    assert arms["reference"]["effective_batch_size"] == arms["accumulated"]["effective_batch_size"] == 32
+    assert arms["accumulated"]["matches_reference"] is True, arms["accumulated"]["verdict"]
+    assert (out / "loss_curves.png").stat().st_size > 0 and (out / "parity_report.md").is_file()

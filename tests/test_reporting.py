@@ -140,6 +140,57 @@ def test_mismatch_verdict_explains_batchnorm(arms):
     assert report["arms"][1]["fits_memory_limit"] is None  # no limit given
 
 
+def test_noise_floor_separates_rounding_drift_from_a_different_forward_pass(arms):
+    """A drifting arm counts as within the noise floor only if step 1 agrees (same forward pass) and its drift is no
+    larger than the reference's own drift under a 1e-7 weight perturbation; `matches_reference` stays strict."""
+    arms[1].update(train_loss=[0.7, 0.6 + 2e-7, 0.52, 0.41])  # drifts after step 1 by up to 2e-2
+    floor = make_arm("noise_floor", 16, 1, [0.7 + 1e-7, 0.6, 0.47, 0.43], compared_to="reference", kind="noise_floor")
+    assert floor["kind"] == "noise_floor"
+    report = build_parity_report([*arms, floor], metadata=META)
+    accumulated, floor_entry = report["arms"][1], report["arms"][3]
+    assert accumulated["matches_reference"] is False
+    assert accumulated["first_step_loss_diff"] == 0.0
+    assert accumulated["noise_floor_loss_diff"] == pytest.approx(0.03)
+    assert accumulated["within_noise_floor"] is True
+    assert "matches the large batch up to fp32 rounding" in accumulated["verdict"]
+    assert "how far rounding alone moves this training run" in floor_entry["verdict"]
+    assert floor_entry["within_noise_floor"] is None  # the yardstick is not measured against itself
+    assert "step-1" in render_parity_markdown(report)
+
+    # Step 1 already differs (BatchNorm over micro-batches): not rounding, whatever the later drift.
+    arms[1].update(train_loss=[0.71, 0.6, 0.5, 0.4], batchnorm_layers=3)
+    accumulated = build_parity_report([*arms, floor], metadata=META)["arms"][1]
+    assert accumulated["within_noise_floor"] is False
+    assert "does NOT match" in accumulated["verdict"] and "BatchNorm layers" in accumulated["verdict"]
+
+    # Drifting further than the noise floor: not explained by rounding either.
+    arms[1].update(train_loss=[0.7, 0.6, 0.6, 0.4], batchnorm_layers=0)
+    accumulated = build_parity_report([*arms, floor], metadata=META)["arms"][1]
+    assert accumulated["within_noise_floor"] is False
+    assert "exceeds the large batch's own drift" in accumulated["verdict"]
+
+
+def test_noise_floor_arm_planning_and_perturbation():
+    from hf_gradaccum.arms import perturb_for_noise_floor
+
+    specs = plan_arms(
+        ["reference_groupnorm", "accumulated_groupnorm", "noise_floor_groupnorm"],
+        micro_batch_size=4,
+        gradient_accumulation_steps=4,
+    )
+    floor = specs[2]
+    assert (floor.kind, floor.batchnorm, floor.micro_batch_size, floor.gradient_accumulation_steps) == (
+        "noise_floor", "groupnorm", 16, 1,
+    )  # fmt: skip
+    assert floor.compared_to == "reference_groupnorm"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    after = torch.cat([p.detach().flatten() for p in perturb_for_noise_floor(model).parameters()])
+    relative = float((after - before).norm() / before.norm())
+    assert 5e-8 < relative < 2e-7
+
+
 def test_failed_and_oom_arms(arms):
     spec = plan_arms(["reference", "accumulated"], micro_batch_size=4, gradient_accumulation_steps=4)[0]
     arms[0] = failed_arm_result(spec, "CUDA out of memory", status="oom")
