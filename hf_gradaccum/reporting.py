@@ -94,6 +94,11 @@ ARM_SCHEMA: dict[str, tuple[type, ...]] = {
 }
 
 
+#: How much larger than the noise floor's drift an arm's drift may be and still count as rounding (see
+#: `_compare_with_noise_floor`): "the same order of magnitude".
+NOISE_FLOOR_FACTOR = 10.0
+
+
 # ---------------------------------------------------------------------------------------------------- comparisons
 def loss_difference(
     losses: Sequence[float],
@@ -341,9 +346,14 @@ def build_parity_report(
 def _compare_with_noise_floor(report_arms: list[dict[str, Any]], loss_tolerance: float) -> None:
     """
     For every per-step-compared arm whose reference also has a finished `noise_floor` arm: record that arm's drift
-    (`noise_floor_loss_diff`) and whether this arm stays within it (`within_noise_floor`): the first step agrees
-    within `loss_tolerance` (same forward pass) and the largest per-step difference is no larger than the drift of the
-    large batch from itself under a 1e-7 weight perturbation. `matches_reference` is left as it is (strict).
+    (`noise_floor_loss_diff`) and whether this arm's own drift is explained by it (`within_noise_floor`).
+
+    Two conditions. Step 1 agrees within `loss_tolerance`: both runs start from the same weights, so a difference
+    there is a different forward pass (BatchNorm over micro-batches), which no amount of rounding explains; this is
+    the deterministic part of the test. And the largest per-step difference is of the same order of magnitude as the
+    noise floor's (at most `NOISE_FLOOR_FACTOR` times it): once fp32 rounding has been amplified by ReLU/max-pool
+    kinks, the drift saturates at a level set by the training dynamics, and its maximum over a run is one random draw
+    that varies by a few times between perturbations. `matches_reference` stays the strict per-step test.
     """
     floors = {
         arm["compared_to"]: arm["max_abs_loss_diff"]
@@ -358,7 +368,7 @@ def _compare_with_noise_floor(report_arms: list[dict[str, Any]], loss_tolerance:
         arm["within_noise_floor"] = bool(
             arm["first_step_loss_diff"] is not None
             and arm["first_step_loss_diff"] <= loss_tolerance
-            and arm["max_abs_loss_diff"] <= floor
+            and arm["max_abs_loss_diff"] <= NOISE_FLOOR_FACTOR * floor
         )
 
 
@@ -420,17 +430,19 @@ def arm_verdict(
         weight_text = f", weights {weights:.1e} rel." if weights is not None else ""
         if arm.get("within_noise_floor"):
             return (
-                f"{name}: matches the large batch up to fp32 rounding: step 1 agrees to "
-                f"{arm['first_step_loss_diff']:.0e}, and the later drift (max |Δloss| {diff:.1e}{weight_text}) is no "
-                f"larger than the large batch's own drift under a 1e-7 weight perturbation "
-                f"({arm['noise_floor_loss_diff']:.1e}, arm noise_floor), which ReLU/max-pool kinks amplify step after "
-                f"step{memory}{fit}."
+                f"{name}: the large-batch computation up to fp32 rounding: step 1 agrees to "
+                f"{arm['first_step_loss_diff']:.0e}, and the later drift (max |Δloss| {diff:.1e}{weight_text}) is of "
+                f"the order of the large batch's own drift when its weights are perturbed by 1e-7 "
+                f"({arm['noise_floor_loss_diff']:.1e}): rounding amplified by the training, not a different update"
+                f"{memory}{fit}."
             )
         if not why and arm.get("noise_floor_loss_diff") is not None:
+            first = arm["first_step_loss_diff"]
             why = (
-                f"; its drift exceeds the large batch's own drift under a 1e-7 weight perturbation "
-                f"({arm['noise_floor_loss_diff']:.1e}) or step 1 already differs "
-                f"({arm['first_step_loss_diff']:.1e})"
+                f": step 1 already differs ({first:.1e}), so the forward pass is not the large batch's"
+                if first is not None and first > loss_tolerance
+                else f": its drift is more than {NOISE_FLOOR_FACTOR:g}x the large batch's own drift under a 1e-7 "
+                f"weight perturbation ({arm['noise_floor_loss_diff']:.1e})"
             )
         return (
             f"{name}: does NOT match the large batch (max |Δloss| {diff:.1e} > {loss_tolerance:.0e}"
