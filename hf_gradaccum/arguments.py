@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 from .accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from .loss_scaling import validate_loss_scaling
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +96,23 @@ class GradAccumArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         validate_gradaccum_fields(self)
+        if not self.use_cpu and launched_data_parallel_without_accelerator():
+            # A multi-process launch on a machine without GPUs (e.g. `accelerate launch` with
+            # configs/accelerate/cpu_2proc.yaml): Accelerate would set up no data parallelism at all unless told to
+            # use the CPU, so every rank would silently train on the whole dataset alone.
+            logger.info("Multi-process launch without an accelerator: data parallel on CPU (gloo), use_cpu=True.")
+            self.use_cpu = True
         super().__post_init__()
+
+
+def launched_data_parallel_without_accelerator() -> bool:
+    """Whether this process is one of several ranks (`WORLD_SIZE` > 1) on a machine with no GPU or other accelerator."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return not accelerator.is_available()
+    return not torch.cuda.is_available()
 
 
 def validate_gradaccum_fields(args: Any) -> None:

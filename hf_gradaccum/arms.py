@@ -282,6 +282,9 @@ def run_arms_in_subprocesses(
         env = dict(os.environ)
         if "MASTER_PORT" in env:
             env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + 1 + index)
+            # torchrun tells its workers to join the launcher's own store instead of hosting one; the arm's
+            # children have their own rendezvous, where rank 0 must host the store (else every rank waits forever).
+            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         command = [sys.executable, str(script), *argv, "--run_single_arm", spec.name]
         print(f"\n=== arm {index + 1}/{len(specs)}: {spec.name} ({describe_layout(spec)}) ===", flush=True)
         start = time.perf_counter()

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: first_step_loss_diff, noise_floor_loss_diff, within_noise_floor
 ARM_STATUSES = ("ok", "oom", "failed")
 LOSS_DIFF_BASES = ("per_step", "equal_samples")
 REPORT_FILES = {
@@ -701,7 +701,7 @@ def plot_loss_curves(report: Mapping[str, Any], path: str | Path) -> Path:
     ax_diff.set_ylabel("|Δloss| vs reference (0 drawn at 1e-12)")
     ax_diff.set_title("Per-step loss difference, same batch per step")
     ax_diff.set_ylim(5e-13, max(1.0, 10 * report["loss_tolerance"]))
-    ax_diff.legend(fontsize=8, loc="upper left")
+    ax_diff.legend(fontsize=7, loc="best")  # many arms: let matplotlib find the emptiest corner
     ax_diff.grid(alpha=0.3, which="both")
     fig.suptitle(f"{report['recipe']}: {report['model']} on {report['dataset']}", fontsize=10)
     fig.tight_layout()

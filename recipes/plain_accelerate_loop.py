@@ -19,6 +19,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 from hf_gradaccum import GradientAccumulator
+from hf_gradaccum.arguments import launched_data_parallel_without_accelerator
 
 
 def make_model() -> torch.nn.Module:
@@ -62,7 +63,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
 
-    accelerator = Accelerator()
+    # Without a GPU, Accelerate sets up data parallelism across the launched processes only when told to use the CPU.
+    accelerator = Accelerator(cpu=launched_data_parallel_without_accelerator())
+    accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}")
     large = args.micro_batch_size * args.gradient_accumulation_steps
     accelerator.print(f"micro-batch {args.micro_batch_size} x {args.gradient_accumulation_steps} accumulation steps:")
     accumulated = train(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.epochs)

@@ -27,4 +27,5 @@ def test_plain_loop_example_single_process():
 
 def test_plain_loop_example_two_processes():
     proc = launch("--epochs", "2", script="recipes/plain_accelerate_loop.py")
+    assert "2 process(es), MULTI_CPU" in proc.stdout  # really data parallel, not two independent runs
     assert _difference(proc.stdout) <= 1e-5
