@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ProgressCallback
 
+from .reporting import build_parity_report, format_summary, write_parity_report
+
 ARM_KINDS = ("reference", "accumulated", "small_batch", "noise_floor")
 #: Relative size of the weight perturbation of a `noise_floor` arm: about one fp32 rounding (2**-24 ~ 6e-8).
 NOISE_FLOOR_PERTURBATION = 1e-7
@@ -509,3 +511,113 @@ class QuietProgressCallback(ProgressCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
+
+
+# ---------------------------------------------------------------------------------------------------- one arm, all arms
+def train_and_record_arm(
+    trainer: Any,
+    spec: ArmSpec,
+    *,
+    output_dir: str | Path,
+    start_time: float,
+    save_model: bool,
+    batchnorm_layers: int = 0,
+) -> None:
+    """
+    Train and evaluate one arm with its ready `trainer`, then (on the main process) write `arms/<arm>/arm_result.json`
+    and the arm's weights, and `save_model(output_dir)` for the arm a user would keep. The recipes build the trainer;
+    everything after that is the same for every recipe.
+
+    Args:
+        trainer ([`GradAccumTrainer`]): the arm's trainer.
+        spec ([`ArmSpec`]): the arm.
+        output_dir (`str` or `Path`): the run's output folder (the arm writes into `arms/<arm>/`).
+        start_time (`float`): `time.perf_counter()` when the arm's process started, for its wall time.
+        save_model (`bool`): also `trainer.save_model(output_dir)` (`from_pretrained(output_dir)` then works).
+        batchnorm_layers (`int`, *optional*): BatchNorm layers that still use batch statistics, for the report.
+
+    Example:
+
+    ```python
+    >>> train_and_record_arm(trainer, spec, output_dir="out", start_time=start, save_model=True)  # doctest: +SKIP
+    ```
+    """
+    if not trainer.args.disable_tqdm:
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(QuietProgressCallback)
+    device = trainer.args.device
+    reset_peak_memory(device)
+    baseline = current_memory_mb(device)
+    try:
+        train_metrics = trainer.train().metrics
+    except torch.OutOfMemoryError as error:
+        # Only on CUDA with `max_memory_mb`: the emulated small device cannot hold this arm.
+        if trainer.is_world_process_zero():
+            write_arm_result(failed_arm_result(spec, str(error).splitlines()[0], status="oom"), output_dir)
+        return
+    # Read the peak now: evaluation and saving below are not what the memory limit is about.
+    peak = peak_memory_mb(device)
+    eval_metrics = trainer.evaluate()
+    if not trainer.is_world_process_zero():
+        return
+    result = collect_arm_result(
+        spec,
+        trainer,
+        train_metrics=train_metrics,
+        eval_metrics=eval_metrics,
+        peak_memory_mb=peak,
+        baseline_memory_mb=baseline,
+        wall_time_s=time.perf_counter() - start_time,
+        batchnorm_layers=batchnorm_layers,
+    )
+    save_arm_weights(
+        trainer.accelerator.unwrap_model(trainer.model), arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE
+    )
+    if save_model:
+        trainer.save_model(output_dir)
+    write_arm_result(result, output_dir)
+
+
+def report_parity_run(
+    results: Sequence[dict[str, Any]],
+    specs: Sequence[ArmSpec],
+    *,
+    metadata: dict[str, Any],
+    parity_args: ParityArguments,
+    output_dir: str | Path,
+    saved_arm: str,
+) -> int:
+    """
+    Build and write the parity report from the arms' results (rank 0 only), delete the per-arm weights unless
+    `keep_arm_outputs`, and print the one-screen summary.
+
+    Returns:
+        `int`: the recipe's exit status: 1 if an arm failed (out-of-memory arms are a result, not a failure), else 0.
+
+    Example:
+
+    ```python
+    >>> sys.exit(report_parity_run(results, specs, metadata=meta, parity_args=parity_args, output_dir="out",
+    ...                            saved_arm="accumulated"))  # doctest: +SKIP
+    ```
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under a multi-process launch, rank 0 writes the report
+    output_dir = Path(output_dir)
+    weight_paths = {spec.name: arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE for spec in specs}
+    report = build_parity_report(
+        results,
+        metadata=metadata,
+        loss_tolerance=parity_args.loss_tolerance,
+        max_memory_mb=parity_args.max_memory_mb,
+        weight_paths=weight_paths,
+    )
+    paths = write_parity_report(report, output_dir)
+    if not parity_args.keep_arm_outputs:
+        for path in weight_paths.values():
+            path.unlink(missing_ok=True)
+    print("\n" + format_summary(report))
+    print(f"Report: {paths['markdown']}  (JSON, loss_curves.png, memory.png alongside)")
+    if (output_dir / "config.json").is_file():
+        print(f"Model of the {saved_arm!r} arm: {output_dir} (load with from_pretrained)")
+    return 1 if any(arm["status"] == "failed" for arm in report["arms"]) else 0

@@ -28,7 +28,6 @@ With the Hub:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,40 +39,32 @@ import torch
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, set_seed
-from transformers.trainer_callback import ProgressCallback
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.arms import (
-    ARM_WEIGHTS_FILE,
     BATCHNORM_MODES,
     ArmSpec,
     ParityArguments,
-    QuietProgressCallback,
     apply_memory_limit,
-    arm_dir,
     arm_overrides,
     check_batch_layout,
-    collect_arm_result,
-    current_memory_mb,
     describe_device,
     describe_layout,
-    failed_arm_result,
     launch_command,
-    peak_memory_mb,
     perturb_for_noise_floor,
     plan_arms,
-    reset_peak_memory,
+    report_parity_run,
     run_arms_in_subprocesses,
-    save_arm_weights,
-    write_arm_result,
+    train_and_record_arm,
 )
 from hf_gradaccum.assets import MissingAssetError, locate_asset
 from hf_gradaccum.config import ConfigError, RecipeArgumentParser
 from hf_gradaccum.metrics import metric_path
-from hf_gradaccum.reporting import build_parity_report, format_summary, write_parity_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"
+# The arm whose model is saved into `output_dir` (save_pretrained). With `batchnorm: groupnorm` its config still says
+# BatchNorm: reload, then `convert_batchnorm_to_groupnorm(model)` (it keeps the loaded weight and bias).
 SAVED_ARM = "accumulated"
 # MNIST's pixel mean and standard deviation (in [0, 1]), the usual normalisation for a model trained from scratch.
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
@@ -338,41 +329,9 @@ def run_arm(
         data_collator=collator,
         compute_metrics=compute_metrics,
     )
-    if not args.disable_tqdm:
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(QuietProgressCallback)
-
-    reset_peak_memory(args.device)
-    baseline = current_memory_mb(args.device)
-    try:
-        train_metrics = trainer.train().metrics
-    except torch.OutOfMemoryError as error:
-        # Only on CUDA with `max_memory_mb`: the emulated small device cannot hold this arm.
-        if trainer.is_world_process_zero():
-            write_arm_result(failed_arm_result(spec, str(error).splitlines()[0], status="oom"), output_dir)
-        return
-    # Read the peak now: evaluation and saving below are not what the memory limit is about.
-    peak = peak_memory_mb(args.device)
-    eval_metrics = trainer.evaluate()
-
-    if trainer.is_world_process_zero():
-        result = collect_arm_result(
-            spec,
-            trainer,
-            train_metrics=train_metrics,
-            eval_metrics=eval_metrics,
-            peak_memory_mb=peak,
-            baseline_memory_mb=baseline,
-            wall_time_s=time.perf_counter() - start,
-            batchnorm_layers=batchnorm_layers,
-        )
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        save_arm_weights(unwrapped, arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE)
-        if spec.name == SAVED_ARM:
-            # save_pretrained: `from_pretrained(output_dir)` works. With `batchnorm: groupnorm` the config still says
-            # BatchNorm: reload, then `convert_batchnorm_to_groupnorm(model)` (it keeps the loaded weight and bias).
-            trainer.save_model(output_dir)
-        write_arm_result(result, output_dir)
+    train_and_record_arm(
+        trainer, spec, output_dir=output_dir, start_time=start, save_model=spec.name == SAVED_ARM, batchnorm_layers=batchnorm_layers,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- all arms
@@ -406,41 +365,26 @@ def main(argv: list[str] | None = None) -> int:
         f"arms: {', '.join(parity_args.arms)}"
     )
     results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under a multi-process launch, rank 0 writes the report
 
-    weight_paths = {spec.name: arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE for spec in specs}
     model_name = recipe_args.model_name_or_path or (
         f"random-init ResNet (basic, stages {recipe_args.resnet_hidden_sizes}, depths {recipe_args.resnet_depths})"
     )
-    report = build_parity_report(
-        results,
-        metadata={
-            "recipe": "finetune_resnet",
-            "command": launch_command(__file__, argv),
-            "model": model_name,
-            "dataset": data.description,
-            "train_samples": len(data.train_labels),
-            "eval_samples": len(data.eval_labels),
-            "num_train_epochs": training_args.num_train_epochs,
-            "seed": training_args.seed,
-            "device": describe_device(training_args.device),
-            "majority_class_accuracy": float(torch.bincount(data.eval_labels).max()) / len(data.eval_labels),
-            "total_wall_time_s": time.perf_counter() - start,
-        },
-        loss_tolerance=parity_args.loss_tolerance,
-        max_memory_mb=parity_args.max_memory_mb,
-        weight_paths=weight_paths,
+    metadata = {
+        "recipe": "finetune_resnet",
+        "command": launch_command(__file__, argv),
+        "model": model_name,
+        "dataset": data.description,
+        "train_samples": len(data.train_labels),
+        "eval_samples": len(data.eval_labels),
+        "num_train_epochs": training_args.num_train_epochs,
+        "seed": training_args.seed,
+        "device": describe_device(training_args.device),
+        "majority_class_accuracy": float(torch.bincount(data.eval_labels).max()) / len(data.eval_labels),
+        "total_wall_time_s": time.perf_counter() - start,
+    }
+    return report_parity_run(
+        results, specs, metadata=metadata, parity_args=parity_args, output_dir=output_dir, saved_arm=SAVED_ARM
     )
-    paths = write_parity_report(report, output_dir)
-    if not parity_args.keep_arm_outputs:
-        for path in weight_paths.values():
-            path.unlink(missing_ok=True)
-    print("\n" + format_summary(report))
-    print(f"Report: {paths['markdown']}  (JSON, loss_curves.png, memory.png alongside)")
-    if (output_dir / "config.json").is_file():
-        print(f"Model of the {SAVED_ARM!r} arm: {output_dir} (load with from_pretrained)")
-    return 1 if any(arm["status"] == "failed" for arm in report["arms"]) else 0
 
 
 if __name__ == "__main__":
