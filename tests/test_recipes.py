@@ -210,8 +210,23 @@ def test_default_recipe(recipe, tmp_path):
     proc, elapsed = run_recipe(f"{recipe}.py", f"{recipe}.yaml", tmp_path)
     arms = arms_by_name(tmp_path)
     report = load_parity_report(tmp_path / "parity_report.json")
-    assert arms["accumulated" if recipe == "finetune_bert" else "accumulated_groupnorm"]["matches_reference"] is True
     assert arms["reference"]["eval_metrics"]["eval_accuracy"] > report["majority_class_accuracy"] + 0.1
     assert arms["accumulated"]["peak_memory_mb"] < arms["reference"]["peak_memory_mb"]
     if recipe == "finetune_bert":
         assert elapsed < 15 * 60
+        assert arms["accumulated"]["matches_reference"] is True  # per step within 1e-4, all 64 steps
+        assert (
+            abs(
+                arms["accumulated"]["eval_metrics"]["eval_accuracy"]
+                - arms["reference"]["eval_metrics"]["eval_accuracy"]
+            )
+            <= 0.005
+        )
+        return
+    # ResNet (ReLU, from scratch): the exact arms agree at step 1 and then drift only as far as the large batch
+    # drifts from itself under a 1e-7 weight perturbation; BatchNorm arms already differ at step 1.
+    for name in ("accumulated_groupnorm", "accumulated_freeze"):
+        assert arms[name]["first_step_loss_diff"] <= 1e-4, name
+        assert arms[name]["within_noise_floor"] is True, arms[name]["verdict"]
+    for name in ("accumulated", "accumulated_momentum"):
+        assert arms[name]["first_step_loss_diff"] > 1e-3 and arms[name]["within_noise_floor"] is False, name
