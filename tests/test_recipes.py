@@ -19,14 +19,18 @@ BUDGET_S = 120
 HARD_LIMIT_S = 300
 
 
-def run_recipe(name: str, config: str, output_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+def run_recipe(
+    name: str, config: str, output_dir: Path, *, timeout: int = HARD_LIMIT_S, single_thread: bool = True
+) -> tuple[subprocess.CompletedProcess, float]:
     command = [sys.executable, str(ROOT / "recipes" / name), "--config", str(ROOT / "configs" / config)]
     command += ["--output_dir", str(output_dir)]
-    # One intra-op thread per process: tiny models gain nothing from more, and on a shared 2-core machine
-    # OpenMP threads that wait for each other at every op make a loaded run many times slower.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = dict(os.environ)
+    if single_thread:
+        # One intra-op thread per process: tiny models gain nothing from more, and on a shared 2-core machine
+        # OpenMP threads that wait for each other at every op make a loaded run many times slower.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=HARD_LIMIT_S, env=env, cwd=ROOT)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     elapsed = time.perf_counter() - start
     print(f"{name} {config}: {elapsed:.0f} s")
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -207,7 +211,9 @@ def test_resnet_hub_code_path_with_local_imagefolder(tmp_path):
 @pytest.mark.parametrize("recipe", ["finetune_bert", "finetune_resnet"])
 def test_default_recipe(recipe, tmp_path):
     """The default configuration (minutes on a CPU): learns, matches, and the accumulated arm needs less memory."""
-    proc, elapsed = run_recipe(f"{recipe}.py", f"{recipe}.yaml", tmp_path)
+    # The defaults take minutes (BERT about 7, ResNet about 6 on 2 cores); BERT's budget is the issue's 15 minutes.
+    # Timed as a user runs them (all cores).
+    proc, elapsed = run_recipe(f"{recipe}.py", f"{recipe}.yaml", tmp_path, timeout=20 * 60, single_thread=False)
     arms = arms_by_name(tmp_path)
     report = load_parity_report(tmp_path / "parity_report.json")
     assert arms["reference"]["eval_metrics"]["eval_accuracy"] > report["majority_class_accuracy"] + 0.1
