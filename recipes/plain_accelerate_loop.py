@@ -76,6 +76,7 @@ def main() -> None:
     w_ref = torch.cat([p.detach().flatten() for p in reference.parameters()])
     difference = float((w_acc - w_ref).norm() / w_ref.norm())
     accelerator.print(f"relative weight difference after {args.epochs} epochs: {difference:.2e}")
+    accelerator.end_training()  # ranks leave together and tear the process group down
 
 
 if __name__ == "__main__":
