@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 import finetune_resnet as recipe  # noqa: E402  (the recipe's data, model and BatchNorm treatment)
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
-from hf_gradaccum.arms import perturb_for_noise_floor  # noqa: E402
+from hf_gradaccum.harness.arms import perturb_for_noise_floor  # noqa: E402
 
 BATCH = 128
 

@@ -1,23 +1,49 @@
-"""hf_gradaccum: gradient accumulation that is exactly the large-batch update, for transformers and accelerate."""
+"""hf_gradaccum: gradient accumulation that is exactly the large-batch update, for transformers and accelerate.
 
-from .accumulator import GradientAccumulator, WindowResult
-from .arguments import GradAccumArguments
-from .items import count_items, count_items_in_batch
-from .loss_scaling import DynamicLossScaler
-from .lr_scaling import effective_batch_size, lr_scaling_factor, recommended_warmup_steps, scale_learning_rate
-from .normalization import (
-    BatchNormConversion,
-    FrozenBatchNorm,
-    accumulation_bn_momentum,
-    apply_accumulation_bn_momentum,
-    convert_batchnorm_to_groupnorm,
-    freeze_batchnorm,
-    groupnorm_num_groups,
-)
-from .planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
-from .trainer import GradAccumTrainer
+The package has four parts; each may import only the ones listed before it (`tests/test_layout.py` checks this):
+
+- `engine/`: the accumulation itself (buffers, item weighting, windows, fp16 loss scaling, distributed reduction,
+  item counting, out-of-memory recovery). torch and accelerate only; no transformers.
+- `helpers/`: batch-size helpers (BatchNorm treatments, learning-rate scaling, micro-batch planning).
+- `adapters/`: `GradAccumTrainer` and `GradAccumArguments`, thin transformers adapters over the engine.
+- `harness/`: the parity experiment harness (arms in their own processes, reports, plots, offline assets) that the
+  recipes use. Never imported by `import hf_gradaccum`.
+
+Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used, and never imports
+matplotlib or the harness.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (relative to this package)
+_EXPORTS: dict[str, str] = {
+    "GradientAccumulator": ".engine.accumulator",
+    "WindowResult": ".engine.window",
+    "DynamicLossScaler": ".engine.loss_scaling",
+    "count_items": ".engine.items",
+    "count_items_in_batch": ".engine.items",
+    "GradAccumArguments": ".adapters.arguments",
+    "GradAccumTrainer": ".adapters.trainer",
+    "effective_batch_size": ".helpers.lr_scaling",
+    "lr_scaling_factor": ".helpers.lr_scaling",
+    "recommended_warmup_steps": ".helpers.lr_scaling",
+    "scale_learning_rate": ".helpers.lr_scaling",
+    "BatchNormConversion": ".helpers.normalization",
+    "FrozenBatchNorm": ".helpers.normalization",
+    "accumulation_bn_momentum": ".helpers.normalization",
+    "apply_accumulation_bn_momentum": ".helpers.normalization",
+    "convert_batchnorm_to_groupnorm": ".helpers.normalization",
+    "freeze_batchnorm": ".helpers.normalization",
+    "groupnorm_num_groups": ".helpers.normalization",
+    "AccumulationPlan": ".helpers.planning",
+    "CannotShrinkMicroBatchError": ".helpers.planning",
+    "plan_accumulation": ".helpers.planning",
+}
 
 __all__ = [
     "AccumulationPlan",
@@ -42,3 +68,41 @@ __all__ = [
     "recommended_warmup_steps",
     "scale_learning_rate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:  # static type checkers and IDEs see the real names
+    from .adapters.arguments import GradAccumArguments
+    from .adapters.trainer import GradAccumTrainer
+    from .engine.accumulator import GradientAccumulator
+    from .engine.items import count_items, count_items_in_batch
+    from .engine.loss_scaling import DynamicLossScaler
+    from .engine.window import WindowResult
+    from .helpers.lr_scaling import (
+        effective_batch_size,
+        lr_scaling_factor,
+        recommended_warmup_steps,
+        scale_learning_rate,
+    )
+    from .helpers.normalization import (
+        BatchNormConversion,
+        FrozenBatchNorm,
+        accumulation_bn_momentum,
+        apply_accumulation_bn_momentum,
+        convert_batchnorm_to_groupnorm,
+        freeze_batchnorm,
+        groupnorm_num_groups,
+    )
+    from .helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation

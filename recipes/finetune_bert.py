@@ -41,7 +41,7 @@ from transformers import (
 )
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.arms import (
+from hf_gradaccum.harness.arms import (
     ArmSpec,
     ParityArguments,
     apply_memory_limit,
@@ -56,9 +56,9 @@ from hf_gradaccum.arms import (
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from hf_gradaccum.assets import MissingAssetError, locate_asset
-from hf_gradaccum.config import ConfigError, RecipeArgumentParser
-from hf_gradaccum.metrics import metric_path
+from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
+from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
+from hf_gradaccum.harness.metrics import metric_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"

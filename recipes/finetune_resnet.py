@@ -8,7 +8,7 @@ it normalises with the statistics of the *micro*-batch it sees. So next to the u
 - `accumulated`: the same effective batch as `micro x N` with GradAccumTrainer;
 - `small_batch`: the micro-batch alone, no accumulation, same epochs;
 
-this recipe runs the BatchNorm treatments of `hf_gradaccum.normalization`, each against a reference with the same
+this recipe runs the BatchNorm treatments of `hf_gradaccum.helpers.normalization`, each against a reference with the same
 normalisation: `*_groupnorm` (BatchNorm -> GroupNorm: exact), `*_freeze` (running statistics frozen: exact; meant
 for pretrained checkpoints) and `accumulated_momentum` (BatchNorm kept, momentum corrected: not exact). Each arm runs
 in its own process so its peak memory is its own. Outputs: `parity_report.{json,md}`, `loss_curves.png`,
@@ -41,7 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, set_seed
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.arms import (
+from hf_gradaccum.harness.arms import (
     BATCHNORM_MODES,
     ArmSpec,
     ParityArguments,
@@ -57,9 +57,9 @@ from hf_gradaccum.arms import (
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from hf_gradaccum.assets import MissingAssetError, locate_asset
-from hf_gradaccum.config import ConfigError, RecipeArgumentParser
-from hf_gradaccum.metrics import metric_path
+from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
+from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
+from hf_gradaccum.harness.metrics import metric_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"
@@ -265,8 +265,8 @@ def build_model(args: ResNetRecipeArguments, label_names: list[str]):
 
 def apply_batchnorm_mode(model: torch.nn.Module, mode: str, *, steps: int, groups: int) -> int:
     """Apply an arm's BatchNorm treatment; return how many BatchNorm layers still use batch statistics."""
-    # Imported here: hf_gradaccum.normalization is only needed by the BatchNorm arms.
-    from hf_gradaccum.normalization import (
+    # Imported here: hf_gradaccum.helpers.normalization is only needed by the BatchNorm arms.
+    from hf_gradaccum.helpers.normalization import (
         apply_accumulation_bn_momentum,
         convert_batchnorm_to_groupnorm,
         freeze_batchnorm,

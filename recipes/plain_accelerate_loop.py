@@ -19,7 +19,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 from hf_gradaccum import GradientAccumulator
-from hf_gradaccum.arguments import launched_data_parallel_without_accelerator
+from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator
 
 
 def make_model() -> torch.nn.Module:

@@ -57,7 +57,7 @@ def test_grad_is_a_view_of_the_fp32_buffer_no_second_copy():
             # Between micro-batches the gradient lives only in the buffer.
             assert all(p.grad is None for p in model.parameters())
     acc.finish_window()
-    (buffer,) = acc._buffers.values()
+    (buffer,) = acc.buffers.flat.values()
     for p in model.parameters():
         assert p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
@@ -65,7 +65,7 @@ def test_grad_is_a_view_of_the_fp32_buffer_no_second_copy():
 def test_bf16_parameters_accumulate_in_fp32_and_step_in_bf16():
     model = torch.nn.Linear(4, 2).to(torch.bfloat16)
     acc = GradientAccumulator(model, 2)
-    assert next(iter(acc._buffers.values())).dtype == torch.float32
+    assert next(iter(acc.buffers.flat.values())).dtype == torch.float32
     for _ in range(2):
         acc.backward(model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).mean(), num_items=3)
     acc.finish_window()
@@ -201,7 +201,7 @@ def test_state_dict_round_trip_mid_window_gives_the_same_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_finite_check_is_exact_even_when_the_fast_sum_overflows(dtype):
-    from hf_gradaccum.accumulator import _all_finite
+    from hf_gradaccum.engine.buffers import all_finite as _all_finite
 
     big = torch.finfo(dtype).max
     assert _all_finite(torch.full((1000,), big, dtype=dtype))  # the sum overflows; every element is finite

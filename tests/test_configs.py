@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from hf_gradaccum import GradAccumArguments
-from hf_gradaccum.arms import ParityArguments
-from hf_gradaccum.config import ConfigError, RecipeArgumentParser, split_config_flag
+from hf_gradaccum.harness.arms import ParityArguments
+from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser, split_config_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))

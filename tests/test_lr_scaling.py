@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hf_gradaccum.lr_scaling import (
+from hf_gradaccum.helpers.lr_scaling import (
     LR_SCALING_RULES,
     effective_batch_size,
     lr_scaling_factor,

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import ResNetConfig, ResNetForImageClassification
 
-from hf_gradaccum.accumulator import GradientAccumulator
-from hf_gradaccum.normalization import (
+from hf_gradaccum.engine.accumulator import GradientAccumulator
+from hf_gradaccum.helpers.normalization import (
     BatchNormConversion,
     FrozenBatchNorm,
     accumulation_bn_momentum,
@@ -202,7 +202,7 @@ def test_convert_resnet_keeps_mode_dtype_and_requires_grad():
 
 
 def test_convert_top_level_shared_meta_and_non_affine(caplog):
-    with caplog.at_level(logging.INFO, logger="hf_gradaccum.normalization"):
+    with caplog.at_level(logging.INFO, logger="hf_gradaccum.helpers.normalization"):
         gn = convert_batchnorm_to_groupnorm(nn.BatchNorm2d(64).eval())
     assert isinstance(gn, nn.GroupNorm) and not gn.training
     assert gn.batchnorm_conversions == [BatchNormConversion("", 64, 32)]
@@ -226,7 +226,7 @@ def test_subclasses_warn_and_lazy_layers_are_refused(caplog):
         def forward(self, x):
             return torch.relu(super().forward(x))
 
-    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.normalization"):
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.helpers.normalization"):
         model = convert_batchnorm_to_groupnorm(nn.Sequential(BatchNormAct(8)))
     assert isinstance(model[0], nn.GroupNorm) and "BatchNormAct" in caplog.text
     with pytest.raises(ValueError, match="lazy"):
@@ -336,7 +336,7 @@ def test_apply_accumulation_bn_momentum_is_idempotent_and_skips_cumulative(caplo
     assert math.isclose(model[0].momentum, 1 - 0.8**0.25)
     apply_accumulation_bn_momentum(model, 8)  # e.g. after an OOM halved the micro-batch: not compounded
     assert math.isclose(model[0].momentum, 1 - 0.8**0.125)
-    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.normalization"):
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.helpers.normalization"):
         apply_accumulation_bn_momentum(model, 1)
     assert model[0].momentum == 0.2 and model[1].momentum is None
     assert "momentum=None" in caplog.text

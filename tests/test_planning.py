@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hf_gradaccum.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
+from hf_gradaccum.helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
 
 
 def check_exact(plan: AccumulationPlan, target: int) -> None:
@@ -49,7 +49,7 @@ def test_every_plan_is_exact():
 
 
 def test_prime_share_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.planning"):
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.helpers.planning"):
         plan = plan_accumulation(97, max_micro_batch_size=32)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (1, 97)
     assert "divisors" in caplog.text

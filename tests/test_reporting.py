@@ -9,7 +9,7 @@ import evaluate
 import pytest
 import torch
 
-from hf_gradaccum.arms import (
+from hf_gradaccum.harness.arms import (
     ParityArguments,
     arm_overrides,
     failed_arm_result,
@@ -18,8 +18,8 @@ from hf_gradaccum.arms import (
     save_arm_weights,
     train_losses_from_log_history,
 )
-from hf_gradaccum.metrics import metric_path
-from hf_gradaccum.reporting import (
+from hf_gradaccum.harness.metrics import metric_path
+from hf_gradaccum.harness.reporting import (
     build_parity_report,
     format_summary,
     group_means,
@@ -176,7 +176,7 @@ def test_noise_floor_separates_rounding_drift_from_a_different_forward_pass(arms
 
 
 def test_noise_floor_arm_planning_and_perturbation():
-    from hf_gradaccum.arms import perturb_for_noise_floor
+    from hf_gradaccum.harness.arms import perturb_for_noise_floor
 
     specs = plan_arms(
         ["reference_groupnorm", "accumulated_groupnorm", "noise_floor_groupnorm"],

@@ -15,7 +15,7 @@ def publish_directory(staged: str, final: str) -> None:
 
     ```python
     >>> import os, tempfile
-    >>> from hf_gradaccum.checkpointing import publish_directory
+    >>> from hf_gradaccum.engine.checkpointing import publish_directory
     >>> root = tempfile.mkdtemp()
     >>> os.makedirs(os.path.join(root, "staging", "checkpoint-1"))
     >>> publish_directory(os.path.join(root, "staging", "checkpoint-1"), os.path.join(root, "checkpoint-1"))

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._validation import check_positive_int
+from ..engine.validation import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def groupnorm_num_groups(channels: int, *, num_groups: int = 32, group_size: int
     Example:
 
     ```python
-    >>> from hf_gradaccum.normalization import groupnorm_num_groups
+    >>> from hf_gradaccum.helpers.normalization import groupnorm_num_groups
     >>> [groupnorm_num_groups(c) for c in (24, 40, 3, 64)]
     [24, 20, 3, 32]
     >>> groupnorm_num_groups(64, group_size=16)
@@ -157,7 +157,7 @@ def convert_batchnorm_to_groupnorm(
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.normalization import convert_batchnorm_to_groupnorm
+    >>> from hf_gradaccum.helpers.normalization import convert_batchnorm_to_groupnorm
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 40, 3), torch.nn.BatchNorm2d(40), torch.nn.ReLU())
     >>> model = convert_batchnorm_to_groupnorm(model)
     >>> type(model[1]).__name__, model[1].num_groups
@@ -263,7 +263,7 @@ def freeze_batchnorm(module: nn.Module) -> nn.Module:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.normalization import freeze_batchnorm
+    >>> from hf_gradaccum.helpers.normalization import freeze_batchnorm
     >>> model = freeze_batchnorm(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))).train()
     >>> before = model[1].running_mean.clone()
     >>> _ = model(torch.randn(4, 3, 8, 8))
@@ -305,7 +305,7 @@ def accumulation_bn_momentum(momentum: float, steps: int) -> float:
     Example:
 
     ```python
-    >>> from hf_gradaccum.normalization import accumulation_bn_momentum
+    >>> from hf_gradaccum.helpers.normalization import accumulation_bn_momentum
     >>> round(accumulation_bn_momentum(0.1, 4), 6)
     0.025996
     >>> accumulation_bn_momentum(0.1, 1)
@@ -344,7 +344,7 @@ def apply_accumulation_bn_momentum(module: nn.Module, steps: int) -> nn.Module:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.normalization import apply_accumulation_bn_momentum
+    >>> from hf_gradaccum.helpers.normalization import apply_accumulation_bn_momentum
     >>> model = apply_accumulation_bn_momentum(torch.nn.Sequential(torch.nn.BatchNorm1d(4)), steps=4)
     >>> round(model[0].momentum, 6)
     0.025996

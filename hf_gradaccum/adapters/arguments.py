@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from .accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
-from .loss_scaling import validate_loss_scaling
+from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
+from ..engine.loss_scaling import validate_loss_scaling
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 

@@ -13,7 +13,7 @@ An arm name is `<kind>` or `<kind>_<batchnorm>`:
   fp32 rounding alone causes (an accumulated arm and the reference differ by about one rounding after their first
   step; networks with ReLU/max-pool kinks amplify such differences over the following steps);
 - optional suffix `keep | groupnorm | freeze | momentum`: how BatchNorm layers are treated in that arm (see
-  `hf_gradaccum.normalization`); without a suffix the recipe's `batchnorm` option applies.
+  `hf_gradaccum.helpers.normalization`); without a suffix the recipe's `batchnorm` option applies.
 
 A non-reference arm is compared with `reference_<batchnorm>` when that arm is run (GroupNorm against GroupNorm),
 otherwise with `reference`.
@@ -122,7 +122,7 @@ def parse_arm_name(name: str) -> tuple[str, str | None]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.arms import parse_arm_name
+    >>> from hf_gradaccum.harness.arms import parse_arm_name
     >>> parse_arm_name("accumulated_groupnorm"), parse_arm_name("small_batch")
     (('accumulated', 'groupnorm'), ('small_batch', None))
     ```
@@ -147,7 +147,7 @@ def plan_arms(
     Example:
 
     ```python
-    >>> from hf_gradaccum.arms import plan_arms
+    >>> from hf_gradaccum.harness.arms import plan_arms
     >>> [(a.name, a.micro_batch_size, a.gradient_accumulation_steps, a.compared_to)
     ...  for a in plan_arms(["reference", "accumulated"], micro_batch_size=8, gradient_accumulation_steps=4)]
     [('reference', 32, 1, None), ('accumulated', 8, 4, 'reference')]
@@ -195,7 +195,7 @@ def perturb_for_noise_floor(model: torch.nn.Module, *, relative: float = NOISE_F
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.arms import perturb_for_noise_floor
+    >>> from hf_gradaccum.harness.arms import perturb_for_noise_floor
     >>> layer = torch.nn.Linear(4, 4)
     >>> before = layer.weight.detach().clone()
     >>> _ = perturb_for_noise_floor(layer)
@@ -221,7 +221,7 @@ def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.arms import plan_arms, arm_overrides
+    >>> from hf_gradaccum.harness.arms import plan_arms, arm_overrides
     >>> spec = plan_arms(["reference"], micro_batch_size=8, gradient_accumulation_steps=4)[0]
     >>> arm_overrides(spec, "out")[:4]
     ['--per_device_train_batch_size', '32', '--gradient_accumulation_steps', '1']
@@ -475,7 +475,7 @@ def train_losses_from_log_history(log_history: list[dict[str, Any]]) -> list[flo
     Example:
 
     ```python
-    >>> from hf_gradaccum.arms import train_losses_from_log_history
+    >>> from hf_gradaccum.harness.arms import train_losses_from_log_history
     >>> train_losses_from_log_history([{"loss": 0.7, "step": 1}, {"eval_loss": 0.6, "step": 1}, {"loss": 0.5, "step": 2}])
     [0.7, 0.5]
     ```

@@ -2,14 +2,16 @@
 large-batch update.
 
 How it works, in one paragraph. Every trainable parameter gets a view into one flat buffer per device (fp32 by
-default). A post-accumulate-grad hook on each parameter folds its gradient into its view as soon as autograd
-produces it, weighted by the micro-batch's item count, and frees `.grad`, so the gradients never exist twice. At
-the end of a window the buffer holds `sum_k n_k * grad(mean_loss_k)`; dividing by `N = sum_k n_k` gives the
+default, `buffers.py`). A post-accumulate-grad hook on each parameter folds its gradient into its view as soon as
+autograd produces it, weighted by the micro-batch's item count, and frees `.grad`, so the gradients never exist twice.
+At the end of a window the buffer holds `sum_k n_k * grad(mean_loss_k)`; dividing by `N = sum_k n_k` gives the
 large-batch mean gradient whatever the micro-batch sizes, and it is written back into `.grad` (as a view of the buffer
 when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weighting by `n_k` during the window and
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
-flat buffer is all-reduced once per window, together with one small vector of counts, instead of once per micro-batch.
+flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
+once per micro-batch. fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
+`window.py`.
 """
 
 from __future__ import annotations
@@ -19,58 +21,28 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
 from .loss_scaling import DynamicLossScaler
+from .recompute import accumulate_with_recompute, gradients_overflowed
+from .reduction import reduce_window, world_size_and_rank
+from .validation import check_positive_int
+from .window import WindowResult, WindowState
 
 logger = logging.getLogger(__name__)
 
-ACCUMULATION_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
 OVERFLOW_POLICIES = ("recompute", "skip")
 
-
-def resolve_accumulation_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """
-    Turn `"float32"`, `"bf16"`, `torch.float32`, ... into a `torch.dtype`; anything else is a `ValueError` that lists
-    the allowed values.
-
-    Example:
-
-    ```python
-    >>> from hf_gradaccum.accumulator import resolve_accumulation_dtype
-    >>> resolve_accumulation_dtype("fp32")
-    torch.float32
-    ```
-    """
-    if isinstance(dtype, torch.dtype) and dtype in ACCUMULATION_DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in ACCUMULATION_DTYPES:
-        return ACCUMULATION_DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(
-        f"`accumulation_dtype` must be one of {sorted(set(ACCUMULATION_DTYPES))} (or the matching torch.dtype), "
-        f"got {dtype!r}."
-    )
+__all__ = ["OVERFLOW_POLICIES", "GradientAccumulator", "WindowResult", "resolve_accumulation_dtype"]
 
 
 def validate_accumulation_steps(steps: Any, name: str = "gradient_accumulation_steps") -> int:
     """Return `steps` if it is an `int >= 1`; otherwise raise a `ValueError` naming `name`."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {steps!r} ({type(steps).__name__}).")
-    return steps
+    return check_positive_int(steps, name)
 
 
 def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
@@ -96,48 +68,6 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
             "(`accelerate launch` without an FSDP/DeepSpeed config) with hf_gradaccum, or the engine's own gradient "
             "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
         )
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite, in one fast read pass: any inf or NaN makes the sum inf or NaN. Only a
-    non-finite sum (which finite values can also produce, by overflowing) pays for the exact check.
-    `isfinite(t).all()` alone materialises a bool tensor as large as `t`: 20x slower than the sum on a CPU."""
-    # Half-precision buffers are summed in fp32: their own range (fp16: 65504) would overflow needlessly.
-    total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 else tensor.sum()
-    if bool(torch.isfinite(total)):
-        return True
-    return bool(torch.isfinite(tensor).all())
-
-
-@dataclass
-class WindowResult:
-    """What happened at the end of one accumulation window."""
-
-    applied: bool
-    """Whether the accumulated gradient was written to `.grad` (the optimizer should step)."""
-    num_items: float
-    """Items in the window, summed over micro-batches and ranks."""
-    loss: float | None
-    """Item-weighted mean loss of the window (the large-batch loss); `None` if the window had no items."""
-    micro_steps: int
-    """Micro-batches in the window (a partial last window has fewer than `gradient_accumulation_steps`)."""
-    skip_reason: str | None = None
-    """`None`, `"no_items"`, `"non_finite_loss"`, `"non_finite_grad"` or `"overflow"`."""
-    recomputed_micro_batches: int = 0
-    """Micro-batches of this window recomputed after an fp16 overflow."""
-    grad_norm: float | None = None
-    """Gradient norm before clipping, filled in by [`GradientAccumulator.step`]."""
-
-
-@dataclass
-class _Window:
-    micro_steps: int = 0
-    items: float = 0.0
-    recomputed: int = 0
-    loss_sum: torch.Tensor | None = None
-    overflowed: bool = False
-    backoffs: int = 0
-    touched: list[bool] = field(default_factory=list)
 
 
 class GradientAccumulator:
@@ -215,19 +145,7 @@ class GradientAccumulator:
         if not self.parameters:
             raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
 
-        # One flat buffer per device: a flat buffer can be zeroed, checked, scaled and all-reduced in one call each.
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        sizes: dict[torch.device, int] = {}
-        for p in self.parameters:
-            sizes[p.device] = sizes.get(p.device, 0) + p.numel()
-        for device, size in sizes.items():
-            self._buffers[device] = torch.zeros(size, dtype=self.accumulation_dtype, device=device)
-        offsets = dict.fromkeys(sizes, 0)
-        self._views: list[torch.Tensor] = []
-        for p in self.parameters:
-            start = offsets[p.device]
-            self._views.append(self._buffers[p.device][start : start + p.numel()].view_as(p))
-            offsets[p.device] = start + p.numel()
+        self.buffers = FlatGradientBuffers(self.parameters, self.accumulation_dtype)
 
         # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
         # pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
@@ -235,7 +153,7 @@ class GradientAccumulator:
         self._defer_fold = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
 
-        self._window: _Window | None = None
+        self._window: WindowState | None = None
         self.micro_step = 0
         self.applied_steps = 0
         self.skipped_steps: Counter[str] = Counter()
@@ -254,21 +172,16 @@ class GradientAccumulator:
         return fold
 
     def _fold(self, index: int, param: torch.Tensor) -> None:
-        # In-place add with a dtype-promoting alpha: the bf16/fp16 gradient is widened inside the kernel, no fp32 temp.
-        self._views[index].add_(param.grad, alpha=self._fold_alpha)
+        self.buffers.fold(index, param.grad, self._fold_alpha)
         self._window.touched[index] = True
         param.grad = None
 
     def _start_window(self) -> None:
-        for buffer in self._buffers.values():
-            buffer.zero_()
+        self.buffers.zero_()
         # Gradients left from the previous step (possibly views of the buffer) must not be accumulated into.
         for p in self.parameters:
             p.grad = None
-        device = next(iter(self._buffers))
-        self._window = _Window(
-            loss_sum=torch.zeros((), dtype=torch.float64, device=device), touched=[False] * len(self.parameters)
-        )
+        self._window = WindowState(len(self.parameters), self.buffers.first_device)
 
     # ------------------------------------------------------------------ micro-batches
     @property
@@ -312,7 +225,7 @@ class GradientAccumulator:
         n = self._begin_micro_batch(num_items)
         if n == 0:
             return
-        self._record_loss(loss, n)
+        self._window.record_loss(loss, n)
         if not bool(torch.isfinite(loss.detach()).all()):
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             self._window.overflowed = True
@@ -338,45 +251,7 @@ class GradientAccumulator:
         n = self._begin_micro_batch(num_items)
         if n == 0:
             return compute_loss().detach()
-        for attempt in range(self.max_recompute_attempts + 1):
-            loss = compute_loss()
-            if not bool(torch.isfinite(loss.detach()).all()):
-                # The unscaled loss itself is inf/NaN: no scale can fix that.
-                self._record_loss(loss, n)
-                self._window.overflowed = True
-                logger.warning("Non-finite loss in micro-batch %d; the window will be skipped.", self.micro_step)
-                return loss.detach()
-            # Fold only after checking: a folded inf cannot be taken out of the buffer again.
-            self._defer_fold = True
-            try:
-                self._backward_scaled(loss, n)
-                overflow = self._grads_overflowed()
-            finally:
-                self._defer_fold = False
-            if not overflow:
-                self._fold_pending(n)
-                self._record_loss(loss, n)
-                return loss.detach()
-            for p in self.parameters:
-                p.grad = None
-            at_min_scale = self.loss_scaler.at_min_scale
-            self.loss_scaler.update(found_inf=True)
-            self._window.backoffs += 1
-            if attempt == self.max_recompute_attempts or at_min_scale:
-                break
-            if attempt == 0:  # counted once per micro-batch, however many backoffs it needs
-                self._window.recomputed += 1
-                self.recomputed_micro_batches += 1
-            logger.info(
-                "fp16 overflow in micro-batch %d: recomputing at scale %g.", self.micro_step, self.current_scale
-            )
-        logger.warning(
-            "Micro-batch %d still overflows at loss scale %g: treating it as a real inf/NaN and skipping the window.",
-            self.micro_step,
-            self.current_scale,
-        )
-        self._window.overflowed = True
-        return loss.detach()
+        return accumulate_with_recompute(self, compute_loss, n)
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:
@@ -392,10 +267,6 @@ class GradientAccumulator:
         self._window.items += n
         return n
 
-    def _record_loss(self, loss: torch.Tensor, n: float) -> None:
-        # Kept on the device: summing it costs no host synchronisation per micro-batch.
-        self._window.loss_sum += loss.detach().to(torch.float64) * n
-
     def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
         scale = self.current_scale
         self._fold_alpha = n / scale
@@ -404,12 +275,18 @@ class GradientAccumulator:
         finally:
             self._fold_alpha = None
 
-    def _grads_overflowed(self) -> bool:
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads, ord=math.inf)
-        return not bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
+    def _backward_unfolded(self, loss: torch.Tensor, n: float) -> bool:
+        """Backward with folding deferred, leaving the gradients in `.grad`; returns whether they overflowed."""
+        self._defer_fold = True
+        try:
+            self._backward_scaled(loss, n)
+            return gradients_overflowed(self.parameters)
+        finally:
+            self._defer_fold = False
+
+    def _drop_pending(self) -> None:
+        for p in self.parameters:
+            p.grad = None
 
     def _fold_pending(self, n: float) -> None:
         self._fold_alpha = n / self.current_scale
@@ -432,12 +309,6 @@ class GradientAccumulator:
             p.grad = None
 
     # ------------------------------------------------------------------ window end
-    def _distributed(self) -> bool:
-        if self._reduce_gradients is not None:
-            return self._reduce_gradients
-        dist = torch.distributed
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
     def finish_window(self) -> WindowResult:
         """
         End the current window: reduce across ranks (if distributed), check it, and write the large-batch mean
@@ -455,46 +326,28 @@ class GradientAccumulator:
                     "(or `accumulate_micro_batch`) instead of `loss.backward()`."
                 )
 
-        # Everything the ranks must agree on travels in one small float64 vector (summed): items, the overflow
-        # flag, which parameters got a gradient, local loss-scale backoffs, and each rank's scale in its own slot.
-        device = next(iter(self._buffers))
-        world, rank = (
-            (torch.distributed.get_world_size(), torch.distributed.get_rank()) if self._distributed() else (1, 0)
-        )
-        scales = [0.0] * world
-        scales[rank] = self.current_scale
-        local = [window.items, float(window.overflowed), float(window.backoffs), *scales, *map(float, window.touched)]
-        stats = torch.cat([torch.tensor(local, dtype=torch.float64, device=device), window.loss_sum.reshape(1)])
+        world, rank = world_size_and_rank(self._reduce_gradients)
+        reduced, collectives = reduce_window(window, self.buffers, self.current_scale, world, rank)
         if world > 1:
-            for buffer in self._buffers.values():
-                torch.distributed.all_reduce(buffer)
-            torch.distributed.all_reduce(stats)
             self.num_gradient_reductions += 1
-            self.num_collectives += len(self._buffers) + 1
-        stats = stats.tolist()
-        items, overflowed, backoffs = stats[0], stats[1] > 0, stats[2]
-        min_scale = min(stats[3 : 3 + world])
-        touched = [t > 0 for t in stats[3 + world : -1]]
-        loss_sum = stats[-1]
-
-        finite_grads = all(_all_finite(b) for b in self._buffers.values())
+            self.num_collectives += collectives
+        items, loss_sum = reduced.items, reduced.loss_sum
+        finite_grads = self.buffers.all_finite()
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"
         elif not math.isfinite(loss_sum):
             skip_reason = "non_finite_loss"
-        elif overflowed:
+        elif reduced.overflowed:
             skip_reason = "overflow"
         elif not finite_grads:
             skip_reason = "non_finite_grad" if self.loss_scaler is None else "overflow"
 
         if skip_reason is None:
-            inv_items = 1.0 / items
-            for buffer in self._buffers.values():
-                buffer.mul_(inv_items)
-            for p, view, got_grad in zip(self.parameters, self._views, touched, strict=True):
+            self.buffers.scale_(1.0 / items)
+            for i, (p, got_grad) in enumerate(zip(self.parameters, reduced.touched, strict=True)):
                 # Same dtype: the buffer view *is* the gradient, so no second copy of the gradients exists.
-                p.grad = (view if view.dtype == p.dtype else view.to(p.dtype)) if got_grad else None
+                p.grad = self.buffers.gradient_for(i, p.dtype) if got_grad else None
             self.applied_steps += 1
         else:
             for p in self.parameters:
@@ -505,7 +358,7 @@ class GradientAccumulator:
             )
 
         if self.loss_scaler is not None:
-            self._update_loss_scale(skip_reason, backoffs > 0, min_scale)
+            self._update_loss_scale(skip_reason, reduced.backoffs > 0, reduced.min_scale)
 
         result = WindowResult(
             applied=skip_reason is None,
@@ -583,17 +436,7 @@ class GradientAccumulator:
             "window": None,
         }
         if self._window is not None and self._window.micro_steps > 0:
-            w = self._window
-            state["window"] = {
-                "micro_steps": w.micro_steps,
-                "items": w.items,
-                "recomputed": w.recomputed,
-                "overflowed": w.overflowed,
-                "backoffs": w.backoffs,
-                "loss_sum": w.loss_sum.detach().cpu(),
-                "touched": list(w.touched),
-                "buffers": [b.detach().cpu().clone() for b in self._buffers.values()],
-            }
+            state["window"] = {**self._window.state_dict(), "buffers": self.buffers.snapshot()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -621,13 +464,8 @@ class GradientAccumulator:
         self._window = None
         if window is not None:
             self._start_window()
-            for buffer, saved in zip(self._buffers.values(), window["buffers"], strict=True):
-                buffer.copy_(saved)
-            w = self._window
-            w.micro_steps, w.items, w.recomputed = window["micro_steps"], window["items"], window["recomputed"]
-            w.overflowed, w.touched = window["overflowed"], list(window["touched"])
-            w.backoffs = window.get("backoffs", 0)
-            w.loss_sum.copy_(window["loss_sum"])
+            self.buffers.restore(window["buffers"])
+            self._window.load_state_dict(window)
 
     def remove_hooks(self) -> None:
         """Detach the accumulator from the model; `.grad` behaves as plain PyTorch again."""

@@ -22,7 +22,7 @@ class SkipAwareLRScheduler:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.step_gating import SkipAwareLRScheduler
+    >>> from hf_gradaccum.adapters.step_gating import SkipAwareLRScheduler
     >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
     >>> applied = [False]
     >>> sched = SkipAwareLRScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), lambda: applied[0])

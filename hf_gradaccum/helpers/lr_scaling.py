@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from ._validation import check_positive_float, check_positive_int
+from ..engine.validation import check_positive_float, check_positive_int
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
@@ -35,7 +35,7 @@ def effective_batch_size(micro_batch_size: int, gradient_accumulation_steps: int
     Example:
 
     ```python
-    >>> from hf_gradaccum.lr_scaling import effective_batch_size
+    >>> from hf_gradaccum.helpers.lr_scaling import effective_batch_size
     >>> effective_batch_size(8, 4, world_size=2)
     64
     ```
@@ -54,7 +54,7 @@ def lr_scaling_factor(*, base_batch_size: int, new_batch_size: int, rule: str = 
     Example:
 
     ```python
-    >>> from hf_gradaccum.lr_scaling import lr_scaling_factor
+    >>> from hf_gradaccum.helpers.lr_scaling import lr_scaling_factor
     >>> lr_scaling_factor(base_batch_size=32, new_batch_size=128, rule="sqrt")
     2.0
     ```
@@ -86,7 +86,7 @@ def scale_learning_rate(base_lr: float, *, base_batch_size: int, new_batch_size:
     Example:
 
     ```python
-    >>> from hf_gradaccum.lr_scaling import scale_learning_rate
+    >>> from hf_gradaccum.helpers.lr_scaling import scale_learning_rate
     >>> scale_learning_rate(0.1, base_batch_size=256, new_batch_size=1024)
     0.4
     >>> scale_learning_rate(1e-3, base_batch_size=32, new_batch_size=128, rule="sqrt")
@@ -127,7 +127,7 @@ def recommended_warmup_steps(
     Example:
 
     ```python
-    >>> from hf_gradaccum.lr_scaling import recommended_warmup_steps
+    >>> from hf_gradaccum.helpers.lr_scaling import recommended_warmup_steps
     >>> recommended_warmup_steps(base_batch_size=256, new_batch_size=8192, steps_per_epoch=157)
     785
     >>> recommended_warmup_steps(base_batch_size=256, new_batch_size=128, steps_per_epoch=10_000)

@@ -24,7 +24,7 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.oom import is_out_of_memory
+    >>> from hf_gradaccum.engine.oom import is_out_of_memory
     >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     True
     >>> is_out_of_memory(ValueError("shape mismatch"))
@@ -59,7 +59,7 @@ def split_micro_batch(inputs: Mapping[str, Any], chunk_size: int) -> list[dict[s
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.oom import split_micro_batch
+    >>> from hf_gradaccum.engine.oom import split_micro_batch
     >>> chunks = split_micro_batch({"input_ids": torch.zeros(5, 3), "labels": torch.arange(5)}, 2)
     >>> [c["labels"].tolist() for c in chunks]
     [[0, 1], [2, 3], [4]]

@@ -31,15 +31,15 @@ from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from .accumulator import GradientAccumulator, WindowResult
+from ..engine.accumulator import GradientAccumulator, WindowResult
+from ..engine.checkpointing import publish_directory
+from ..engine.items import count_items_in_batch
+from ..engine.loss_scaling import DynamicLossScaler
+from ..engine.oom import is_out_of_memory, release_cached_memory, split_micro_batch
+from ..helpers.lr_scaling import recommended_warmup_steps, scale_learning_rate
+from ..helpers.normalization import apply_accumulation_bn_momentum
+from ..helpers.planning import AccumulationPlan
 from .arguments import gradaccum_option, validate_gradaccum_fields
-from .checkpointing import publish_directory
-from .items import count_items_in_batch
-from .loss_scaling import DynamicLossScaler
-from .lr_scaling import recommended_warmup_steps, scale_learning_rate
-from .normalization import apply_accumulation_bn_momentum
-from .oom import is_out_of_memory, release_cached_memory, split_micro_batch
-from .planning import AccumulationPlan
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"

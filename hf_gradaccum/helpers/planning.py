@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ._validation import check_positive_int
+from ..engine.validation import check_positive_int
 from .lr_scaling import effective_batch_size as _effective_batch_size
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class AccumulationPlan:
         Example:
 
         ```python
-        >>> from hf_gradaccum.planning import plan_accumulation
+        >>> from hf_gradaccum.helpers.planning import plan_accumulation
         >>> plan = plan_accumulation(64, micro_batch_size=32)
         >>> plan.halved()
         AccumulationPlan(micro_batch_size=16, gradient_accumulation_steps=4, world_size=1, effective_batch_size=64)
@@ -123,7 +123,7 @@ def plan_accumulation(
     Example:
 
     ```python
-    >>> from hf_gradaccum.planning import plan_accumulation
+    >>> from hf_gradaccum.helpers.planning import plan_accumulation
     >>> plan_accumulation(256, world_size=2, max_micro_batch_size=48)
     AccumulationPlan(micro_batch_size=32, gradient_accumulation_steps=4, world_size=2, effective_batch_size=256)
     >>> plan_accumulation(96, micro_batch_size=12).gradient_accumulation_steps

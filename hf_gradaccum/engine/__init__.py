@@ -1,0 +1,9 @@
+"""The engine: exact gradient accumulation in plain PyTorch (no transformers).
+
+- `accumulator.py`: `GradientAccumulator`, the main loop (backward, fold, finish the window, step);
+- `buffers.py`: flat fp32 buffers with one view per parameter, filled by post-accumulate-grad hooks;
+- `window.py`: per-window bookkeeping and the `WindowResult` it ends with;
+- `recompute.py`: fp16 overflow handling that redoes only the overflowing micro-batch;
+- `reduction.py`: what the ranks exchange at the end of a window;
+- `loss_scaling.py`, `items.py`, `oom.py`, `checkpointing.py`, `validation.py`: one concern each.
+"""

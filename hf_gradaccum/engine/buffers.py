@@ -1,0 +1,125 @@
+"""Flat accumulation buffers: one contiguous buffer per device, one view of it per parameter.
+
+A flat buffer can be zeroed, checked, scaled and all-reduced in one call each, and a parameter's `.grad` can *be* its
+view at the window's end (no second copy of the gradients). The buffers' dtype is fp32 by default, so bf16/fp16
+gradients do not round at every micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+ACCUMULATION_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_accumulation_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """
+    Turn `"float32"`, `"bf16"`, `torch.float32`, ... into a `torch.dtype`; anything else is a `ValueError` that lists
+    the allowed values.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.engine.buffers import resolve_accumulation_dtype
+    >>> resolve_accumulation_dtype("fp32")
+    torch.float32
+    ```
+    """
+    if isinstance(dtype, torch.dtype) and dtype in ACCUMULATION_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in ACCUMULATION_DTYPES:
+        return ACCUMULATION_DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(
+        f"`accumulation_dtype` must be one of {sorted(set(ACCUMULATION_DTYPES))} (or the matching torch.dtype), "
+        f"got {dtype!r}."
+    )
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite, in one fast read pass: any inf or NaN makes the sum inf or NaN. Only a
+    non-finite sum (which finite values can also produce, by overflowing) pays for the exact check.
+    `isfinite(t).all()` alone materialises a bool tensor as large as `t`: 20x slower than the sum on a CPU."""
+    # Half-precision buffers are summed in fp32: their own range (fp16: 65504) would overflow needlessly.
+    total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 else tensor.sum()
+    if bool(torch.isfinite(total)):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+class FlatGradientBuffers:
+    """
+    One flat buffer per device holding `sum_k n_k * grad_k` for every parameter, with `views[i]` shaped like
+    `parameters[i]`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.buffers import FlatGradientBuffers
+    >>> model = torch.nn.Linear(3, 2)
+    >>> buffers = FlatGradientBuffers(list(model.parameters()), torch.float32)
+    >>> [tuple(v.shape) for v in buffers.views]
+    [(2, 3), (2,)]
+    ```
+    """
+
+    def __init__(self, parameters: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        sizes: dict[torch.device, int] = {}
+        for p in parameters:
+            sizes[p.device] = sizes.get(p.device, 0) + p.numel()
+        self.flat: dict[torch.device, torch.Tensor] = {
+            device: torch.zeros(size, dtype=dtype, device=device) for device, size in sizes.items()
+        }
+        offsets = dict.fromkeys(sizes, 0)
+        self.views: list[torch.Tensor] = []
+        for p in parameters:
+            start = offsets[p.device]
+            self.views.append(self.flat[p.device][start : start + p.numel()].view_as(p))
+            offsets[p.device] = start + p.numel()
+
+    @property
+    def first_device(self) -> torch.device:
+        """The device of the first buffer: where the window's small statistics live."""
+        return next(iter(self.flat))
+
+    def zero_(self) -> None:
+        for buffer in self.flat.values():
+            buffer.zero_()
+
+    def fold(self, index: int, grad: torch.Tensor, alpha: float) -> None:
+        """`views[index] += alpha * grad`: an in-place add with a dtype-promoting alpha, so a bf16/fp16 gradient is
+        widened inside the kernel, without an fp32 temporary."""
+        self.views[index].add_(grad, alpha=alpha)
+
+    def scale_(self, factor: float) -> None:
+        for buffer in self.flat.values():
+            buffer.mul_(factor)
+
+    def all_finite(self) -> bool:
+        return all(all_finite(b) for b in self.flat.values())
+
+    def gradient_for(self, index: int, param_dtype: torch.dtype) -> torch.Tensor:
+        """The accumulated gradient for `parameters[index]`: the view itself when the dtypes agree (no copy)."""
+        view = self.views[index]
+        return view if view.dtype == param_dtype else view.to(param_dtype)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """CPU copies of the buffers, for a mid-window checkpoint."""
+        return [b.detach().cpu().clone() for b in self.flat.values()]
+
+    def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        for buffer, tensor in zip(self.flat.values(), saved, strict=True):
+            buffer.copy_(tensor)

@@ -1,0 +1,69 @@
+"""What the ranks exchange at the end of a window.
+
+Everything the ranks must agree on travels in one small float64 vector, summed by one all-reduce next to the
+gradient buffers': items, the overflow flag, local loss-scale backoffs, each rank's loss scale in its own slot (so
+the minimum can be read back), which parameters got a gradient, and the loss sum. One overflow decision, one item
+count and one scale on every rank follow from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .buffers import FlatGradientBuffers
+from .window import WindowState
+
+
+def world_size_and_rank(reduce_gradients: bool | None) -> tuple[int, int]:
+    """`(world_size, rank)` of the default process group, or `(1, 0)` when not reducing across ranks."""
+    dist = torch.distributed
+    if reduce_gradients is None:
+        reduce_gradients = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not reduce_gradients:
+        return 1, 0
+    return dist.get_world_size(), dist.get_rank()
+
+
+@dataclass
+class ReducedWindow:
+    """The window's statistics summed over ranks."""
+
+    items: float
+    overflowed: bool
+    backoffs: float
+    min_scale: float
+    touched: list[bool]
+    loss_sum: float
+
+
+def reduce_window(
+    window: WindowState, buffers: FlatGradientBuffers, scale: float, world_size: int, rank: int
+) -> tuple[ReducedWindow, int]:
+    """
+    Sum the gradient buffers and the window's statistics over ranks (a no-op for one rank). Returns the reduced
+    statistics and the number of collectives launched.
+    """
+    scales = [0.0] * world_size
+    scales[rank] = scale
+    local = [window.items, float(window.overflowed), float(window.backoffs), *scales, *map(float, window.touched)]
+    stats = torch.cat(
+        [torch.tensor(local, dtype=torch.float64, device=buffers.first_device), window.loss_sum.reshape(1)]
+    )
+    collectives = 0
+    if world_size > 1:
+        for buffer in buffers.flat.values():
+            torch.distributed.all_reduce(buffer)
+        torch.distributed.all_reduce(stats)
+        collectives = len(buffers.flat) + 1
+    values = stats.tolist()
+    reduced = ReducedWindow(
+        items=values[0],
+        overflowed=values[1] > 0,
+        backoffs=values[2],
+        min_scale=min(values[3 : 3 + world_size]),
+        touched=[t > 0 for t in values[3 + world_size : -1]],
+        loss_sum=values[-1],
+    )
+    return reduced, collectives
