@@ -9,6 +9,8 @@ the table of measured errors (`pytest tests/test_composition.py -m slow -s -k ta
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -25,10 +27,11 @@ from transformers import (  # noqa: E402
     Trainer,
     TrainingArguments,
 )
-from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_gradaccum import (  # noqa: E402
     GradAccumArguments,
+    GradAccumDPOConfig,
     GradAccumRewardConfig,
     GradAccumSeq2SeqArguments,
     GradAccumSFTConfig,
@@ -39,6 +42,7 @@ from tests.composition_cases import (  # noqa: E402
     NUM_SAMPLES,
     TRAIN_ARGS,
     VOCAB,
+    WORDS,
     causal_lm_window_loss,
     moe_window_loss,
     pad_cat,
@@ -191,6 +195,50 @@ def run_reward(trainer_cls, tmp, *, stock=False) -> float:
     return update_error(initial, trainer.model, sgd_reference(start, windows, _reward_window_loss))
 
 
+def _preference_dataset(n: int):
+    import random
+
+    import datasets
+
+    rng = random.Random(5)
+    words = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))  # noqa: E731
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [words() for _ in range(n)],
+            "chosen": [words() for _ in range(n)],
+            "rejected": [words() for _ in range(n)],
+        }
+    )
+
+
+def _dpo_trainer(trainer_cls, args_cls, tmp, loss_type=("sigmoid",), **overrides):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    args = args_cls(
+        str(tmp), bf16=False, gradient_checkpointing=False, loss_type=list(loss_type), **{**TRAIN_ARGS, **overrides}
+    )
+    return trainer_cls, dict(
+        args=args,
+        model=model,
+        ref_model=copy.deepcopy(model),
+        train_dataset=_preference_dataset(NUM_SAMPLES),
+        processing_class=word_tokenizer(),
+    )
+
+
+def run_dpo(trainer_cls, tmp, *, stock=False) -> float:
+    """DPO's log-probabilities go through TRL's fused LM head and masks; the large-batch reference is TRL's own
+    DPOTrainer given each window as one batch (batch 16, no accumulation: windows of 16 and 6 pairs)."""
+    big_cls, big_kwargs = _dpo_trainer(
+        DPOTrainer, DPOConfig, tmp / "large_batch", per_device_train_batch_size=16, gradient_accumulation_steps=1
+    )
+    _, _, initial, _ = reference = train_and_collect(big_cls, big_kwargs.pop("args"), **big_kwargs)
+    cls, kwargs = _dpo_trainer(trainer_cls, DPOConfig if stock else GradAccumDPOConfig, tmp / "accumulated")
+    trainer, windows, initial_acc, _ = train_and_collect(cls, kwargs.pop("args"), **kwargs)
+    assert torch.equal(initial, initial_acc) and [len(w) for w in windows] == [4, 2]
+    return update_error(initial, trainer.model, reference[0].model)
+
+
 # One entry per combination: name -> (ours, stock), each a callable(tmp_path) -> relative update error.
 COMBINATIONS = {
     **{
@@ -231,6 +279,10 @@ COMBINATIONS = {
         lambda tmp: run_seq2seq(make_gradaccum_trainer(Seq2SeqTrainer), tmp),
         lambda tmp: run_seq2seq(Seq2SeqTrainer, tmp, stock=True),
     ),
+    "dpo_sigmoid": (
+        lambda tmp: run_dpo(make_gradaccum_trainer(DPOTrainer), tmp),
+        lambda tmp: run_dpo(DPOTrainer, tmp, stock=True),
+    ),
     "reward_trainer": (
         lambda tmp: run_reward(make_gradaccum_trainer(RewardTrainer), tmp),
         lambda tmp: run_reward(RewardTrainer, tmp, stock=True),
@@ -256,3 +308,10 @@ def test_composition_error_table(tmp_path):
         rows.append(f"| {name} | {err_ours:.1e} | {err_stock:.1e} |")
         assert err_ours <= RTOL, name
     print("\n".join(rows))
+
+
+@pytest.mark.parametrize("loss_type", [("sigmoid", "sft"), ("aot",)])
+def test_dpo_batch_level_loss_types_are_refused(loss_type, tmp_path):
+    cls, kwargs = _dpo_trainer(make_gradaccum_trainer(DPOTrainer), GradAccumDPOConfig, tmp_path, loss_type=loss_type)
+    with pytest.raises(ValueError, match="cannot be accumulated exactly"):
+        cls(**kwargs)
