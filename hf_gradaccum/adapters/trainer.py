@@ -194,7 +194,9 @@ class GradAccumTrainer(Trainer):
                 "wrong otherwise: override `count_micro_batch_items` to return what your loss divides by.",
                 label_name,
             )
-        shift = self._shifts_labels() if torch.is_tensor(labels) and labels.dim() > 1 else False
+        # Only token-level labels (one per position) can be shifted; a causal-LM check is pointless for the others.
+        token_level = labels is not None and (labels if torch.is_tensor(labels) else torch.as_tensor(labels)).dim() > 1
+        shift = self._shifts_labels() if token_level else False
         return count_items_in_batch(inputs, shift_labels=shift, label_name=label_name)
 
     def _shifts_labels(self) -> bool:
