@@ -24,7 +24,8 @@ class GradAccumFields:
     The options of exact gradient accumulation as a fields-only dataclass mixin, to add them to any
     `TrainingArguments` subclass without changing that subclass's defaults: TRL's `SFTConfig` (learning rate 2e-5,
     bf16, gradient checkpointing, ...), `DPOConfig`, `Seq2SeqTrainingArguments` (`predict_with_generate`), yours.
-    Put it first in the bases; [`with_gradaccum_fields`] does it for you.
+    Put it first in the bases (then its checks run in `__post_init__`; `GradAccumTrainer` checks them again either
+    way); [`with_gradaccum_fields`] does it for you.
 
     Example:
 

@@ -6,8 +6,10 @@ This class is a thin adapter: the accumulation itself (buffers, weighting, reduc
 `accelerator.sync_gradients` set on the last one, then clips, steps and zeroes. We override public methods only:
 
 - `get_batch_samples`: count the window's items from the labels (for the logged loss only);
-- `training_step`: forward + weighted backward through the accumulator; on the window's last micro-batch, write
-  the large-batch mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
+- `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
+  composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
+  routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
+  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
 - `create_scheduler` and a callback: a skipped window (no items, NaN/inf) advances neither the scheduler nor
   `global_step`;
 - `log`: add the accumulator's counters (skipped steps, loss scale, ...);
@@ -562,4 +564,4 @@ def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) 
     if issubclass(trainer_cls, GradAccumTrainer):
         return trainer_cls
     name = name or f"GradAccum{trainer_cls.__name__}"
-    return type(name, (GradAccumTrainer, trainer_cls), {"__module__": trainer_cls.__module__, "__qualname__": name})
+    return type(name, (GradAccumTrainer, trainer_cls), {"__module__": __name__, "__qualname__": name})

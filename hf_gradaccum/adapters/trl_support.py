@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trl import DPOConfig, RewardConfig, SFTConfig
+try:
+    from trl import DPOConfig, RewardConfig, SFTConfig
+except ImportError as error:  # TRL is optional: say what to install instead of a bare ModuleNotFoundError
+    raise ImportError(
+        "GradAccumSFTConfig, GradAccumDPOConfig and GradAccumRewardConfig need TRL: `pip install trl` "
+        "(tested with trl==1.16.0)."
+    ) from error
 
 from .arguments import GradAccumFields
 
