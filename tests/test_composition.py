@@ -315,3 +315,14 @@ def test_dpo_batch_level_loss_types_are_refused(loss_type, tmp_path):
     cls, kwargs = _dpo_trainer(make_gradaccum_trainer(DPOTrainer), GradAccumDPOConfig, tmp_path, loss_type=loss_type)
     with pytest.raises(ValueError, match="cannot be accumulated exactly"):
         cls(**kwargs)
+
+
+@pytest.mark.slow
+def test_torch_compiled_peft_gpt2_matches_large_batch(tmp_path, monkeypatch):
+    """`torch_compile=True` (dynamo with the eager backend: the model runs as an `OptimizedModule` without needing a
+    C compiler; about 20 s of tracing on CPU): items are still counted as GPT-2's shifted loss counts them."""
+    monkeypatch.setitem(TRAIN_ARGS, "torch_compile", True)
+    monkeypatch.setitem(TRAIN_ARGS, "torch_compile_backend", "eager")
+    err = run_plain(GradAccumTrainer, tmp_path, model_fn=tiny_gpt2, lora_targets=["c_attn"])
+    print(f"torch.compile + PEFT LoRA GPT-2: relative update error {err:.2e}")
+    assert err <= RTOL
