@@ -28,7 +28,14 @@ _EXPORTS: dict[str, str] = {
     "count_items": ".engine.items",
     "count_items_in_batch": ".engine.items",
     "GradAccumArguments": ".adapters.arguments",
+    "GradAccumFields": ".adapters.arguments",
+    "GradAccumSeq2SeqArguments": ".adapters.arguments",
+    "with_gradaccum_fields": ".adapters.arguments",
     "GradAccumTrainer": ".adapters.trainer",
+    "make_gradaccum_trainer": ".adapters.trainer",
+    "GradAccumSFTConfig": ".adapters.trl_support",
+    "GradAccumDPOConfig": ".adapters.trl_support",
+    "GradAccumRewardConfig": ".adapters.trl_support",
     "effective_batch_size": ".helpers.lr_scaling",
     "lr_scaling_factor": ".helpers.lr_scaling",
     "recommended_warmup_steps": ".helpers.lr_scaling",
@@ -52,6 +59,11 @@ __all__ = [
     "DynamicLossScaler",
     "FrozenBatchNorm",
     "GradAccumArguments",
+    "GradAccumDPOConfig",
+    "GradAccumFields",
+    "GradAccumRewardConfig",
+    "GradAccumSFTConfig",
+    "GradAccumSeq2SeqArguments",
     "GradAccumTrainer",
     "GradientAccumulator",
     "WindowResult",
@@ -64,9 +76,11 @@ __all__ = [
     "freeze_batchnorm",
     "groupnorm_num_groups",
     "lr_scaling_factor",
+    "make_gradaccum_trainer",
     "plan_accumulation",
     "recommended_warmup_steps",
     "scale_learning_rate",
+    "with_gradaccum_fields",
 ]
 
 
@@ -84,8 +98,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
-    from .adapters.arguments import GradAccumArguments
-    from .adapters.trainer import GradAccumTrainer
+    from .adapters.arguments import (
+        GradAccumArguments,
+        GradAccumFields,
+        GradAccumSeq2SeqArguments,
+        with_gradaccum_fields,
+    )
+    from .adapters.trainer import GradAccumTrainer, make_gradaccum_trainer
+    from .adapters.trl_support import GradAccumDPOConfig, GradAccumRewardConfig, GradAccumSFTConfig
     from .engine.accumulator import GradientAccumulator
     from .engine.items import count_items, count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler

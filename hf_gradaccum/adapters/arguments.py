@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.loss_scaling import validate_loss_scaling
@@ -19,20 +19,26 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GradAccumArguments(TrainingArguments):
+class GradAccumFields:
     """
-    [`~transformers.TrainingArguments`] for [`GradAccumTrainer`]. Every standard field keeps its meaning;
-    `per_device_train_batch_size` is the micro-batch and `gradient_accumulation_steps` the number of micro-batches
-    per optimizer step, so the effective batch is `per_device_train_batch_size * gradient_accumulation_steps *
-    world_size`, and one optimizer step equals the step of that large batch.
+    The options of exact gradient accumulation as a fields-only dataclass mixin, to add them to any
+    `TrainingArguments` subclass without changing that subclass's defaults: TRL's `SFTConfig` (learning rate 2e-5,
+    bf16, gradient checkpointing, ...), `DPOConfig`, `Seq2SeqTrainingArguments` (`predict_with_generate`), yours.
+    Put it first in the bases (then its checks run in `__post_init__`; `GradAccumTrainer` checks them again either
+    way); [`with_gradaccum_fields`] does it for you.
 
     Example:
 
     ```python
-    >>> from hf_gradaccum import GradAccumArguments
-    >>> args = GradAccumArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=8)
-    >>> args.accumulation_dtype
-    'float32'
+    >>> from dataclasses import dataclass
+    >>> from transformers import Seq2SeqTrainingArguments
+    >>> from hf_gradaccum import GradAccumFields
+    >>> @dataclass
+    ... class MySeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
+    ...     pass
+    >>> args = MySeq2SeqArguments("out", predict_with_generate=True, overflow_policy="skip", use_cpu=True)
+    >>> args.predict_with_generate, args.overflow_policy
+    (True, 'skip')
     ```
     """
 
@@ -93,6 +99,13 @@ class GradAccumArguments(TrainingArguments):
             "statistics decay per optimizer step as with the large batch."
         },
     )
+    count_shifted_labels: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Count items as a causal LM's loss does (`labels[..., 1:]`). None (default): decided from the "
+            "model, seen through PEFT/compile/DDP wrappers; set True/False for a model that cannot be recognised."
+        },
+    )
 
     def __post_init__(self) -> None:
         validate_gradaccum_fields(self)
@@ -103,6 +116,26 @@ class GradAccumArguments(TrainingArguments):
             logger.info("Multi-process launch without an accelerator: data parallel on CPU (gloo), use_cpu=True.")
             self.use_cpu = True
         super().__post_init__()
+
+
+@dataclass
+class GradAccumArguments(GradAccumFields, TrainingArguments):
+    """
+    [`~transformers.TrainingArguments`] for [`GradAccumTrainer`]. Every standard field keeps its meaning;
+    `per_device_train_batch_size` is the micro-batch and `gradient_accumulation_steps` the number of micro-batches
+    per optimizer step, so the effective batch is `per_device_train_batch_size * gradient_accumulation_steps *
+    world_size`, and one optimizer step equals the step of that large batch. The extra fields are those of
+    [`GradAccumFields`] (use that mixin to add them to another arguments class, e.g. TRL's `SFTConfig`).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumArguments
+    >>> args = GradAccumArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=8)
+    >>> args.accumulation_dtype
+    'float32'
+    ```
+    """
 
 
 def launched_data_parallel_without_accelerator() -> bool:
@@ -134,6 +167,9 @@ def validate_gradaccum_fields(args: Any) -> None:
     rule = gradaccum_option(args, "lr_scaling_rule")
     if rule not in LR_SCALING_RULES:
         raise ValueError(f"`lr_scaling_rule` must be one of {list(LR_SCALING_RULES)}, got {rule!r}.")
+    shifted = gradaccum_option(args, "count_shifted_labels")
+    if shifted is not None and not isinstance(shifted, bool):
+        raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
     reference = gradaccum_option(args, "reference_batch_size")
     if rule != "none" and (isinstance(reference, bool) or not isinstance(reference, int) or reference < 1):
         raise ValueError(
@@ -141,11 +177,62 @@ def validate_gradaccum_fields(args: Any) -> None:
         )
 
 
-_DEFAULTS = {
-    f.name: f.default for f in fields(GradAccumArguments) if f.name not in TrainingArguments.__dataclass_fields__
-}
+_DEFAULTS = {f.name: f.default for f in fields(GradAccumFields)}
 
 
 def gradaccum_option(args: Any, name: str) -> Any:
-    """`args.<name>`, or the [`GradAccumArguments`] default when `args` is a plain `TrainingArguments`."""
+    """`args.<name>`, or the [`GradAccumFields`] default when `args` is a plain `TrainingArguments`."""
     return getattr(args, name, _DEFAULTS[name])
+
+
+def with_gradaccum_fields(args_cls: type, name: str | None = None) -> type:
+    """
+    A dataclass `(GradAccumFields, args_cls)`: `args_cls` (any `TrainingArguments` subclass) with the accumulation
+    options added and every one of its own defaults kept.
+
+    Example:
+
+    ```python
+    >>> from transformers import Seq2SeqTrainingArguments
+    >>> from hf_gradaccum import with_gradaccum_fields
+    >>> Args = with_gradaccum_fields(Seq2SeqTrainingArguments)
+    >>> Args.__name__
+    'GradAccumSeq2SeqTrainingArguments'
+    >>> Args("out", predict_with_generate=True, use_cpu=True).accumulation_dtype
+    'float32'
+    ```
+    """
+    if not (isinstance(args_cls, type) and issubclass(args_cls, TrainingArguments)):
+        raise TypeError(f"`args_cls` must be a TrainingArguments subclass, got {args_cls!r}.")
+    if issubclass(args_cls, GradAccumFields):
+        return args_cls
+    name = name or f"GradAccum{args_cls.__name__}"
+    cached = _GENERATED.get((args_cls, name))
+    if cached is not None:
+        return cached
+    # Defined as a module attribute so that pickling the arguments (the Trainer saves `training_args.bin` in every
+    # checkpoint) finds the class again.
+    cls = type(name, (GradAccumFields, args_cls), {"__module__": __name__, "__qualname__": name})
+    cls.__doc__ = f"`{args_cls.__name__}` with the fields of [`GradAccumFields`]; all of its own defaults are kept."
+    cls = dataclass(cls)
+    _GENERATED[(args_cls, name)] = globals()[name] = cls
+    return cls
+
+
+_GENERATED: dict[tuple[type, str], type] = {}
+
+
+@dataclass
+class GradAccumSeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
+    """
+    `Seq2SeqTrainingArguments` (`predict_with_generate`, `generation_max_length`, ...) with the fields of
+    [`GradAccumFields`], for `class MyTrainer(GradAccumTrainer, Seq2SeqTrainer)`.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumSeq2SeqArguments
+    >>> GradAccumSeq2SeqArguments("out", predict_with_generate=True, use_cpu=True).predict_with_generate
+    True
+    ```
+    """

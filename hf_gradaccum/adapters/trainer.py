@@ -6,8 +6,10 @@ This class is a thin adapter: the accumulation itself (buffers, weighting, reduc
 `accelerator.sync_gradients` set on the last one, then clips, steps and zeroes. We override public methods only:
 
 - `get_batch_samples`: count the window's items from the labels (for the logged loss only);
-- `training_step`: forward + weighted backward through the accumulator; on the window's last micro-batch, write
-  the large-batch mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
+- `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
+  composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
+  routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
+  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
 - `create_scheduler` and a callback: a skipped window (no items, NaN/inf) advances neither the scheduler nor
   `global_step`;
 - `log`: add the accumulator's counters (skipped steps, loss scale, ...);
@@ -28,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from ..engine.accumulator import GradientAccumulator, WindowResult
@@ -40,6 +41,7 @@ from ..helpers.lr_scaling import recommended_warmup_steps, scale_learning_rate
 from ..helpers.normalization import apply_accumulation_bn_momentum
 from ..helpers.planning import AccumulationPlan
 from .arguments import gradaccum_option, validate_gradaccum_fields
+from .model_inspection import loss_shifts_labels
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
@@ -49,6 +51,40 @@ STAGING_DIR_NAME = ".incomplete-checkpoints"
 logger = logging.getLogger(__name__)
 
 
+# Loss terms of known trainers that are a statistic of the whole micro-batch, not a mean over independent items, so no
+# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}.
+BATCH_LEVEL_LOSS_TYPES = {
+    "DPOTrainer": {
+        "sft": "a token mean over the micro-batch's chosen completions",
+        "aot": "sorts the log-ratios across the micro-batch",
+        "aot_unpaired": "sorts the log-ratios across the micro-batch",
+    }
+}
+
+
+def refuse_batch_level_losses(trainer: Trainer) -> None:
+    """
+    Raise a `ValueError` when `trainer` (a composed trainer) is configured with a loss term that depends on the whole
+    micro-batch (see `BATCH_LEVEL_LOSS_TYPES`): accumulating it over micro-batches cannot equal the large batch.
+    """
+    if trainer.args.gradient_accumulation_steps == 1:
+        return
+    for cls in type(trainer).__mro__:
+        refused = BATCH_LEVEL_LOSS_TYPES.get(cls.__name__)
+        if not refused:
+            continue
+        loss_types = getattr(trainer.args, "loss_type", None)
+        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types or [])
+        bad = [t for t in loss_types if t in refused]
+        if bad:
+            why = "; ".join(f"'{t}' {refused[t]}" for t in bad)
+            raise ValueError(
+                f"`loss_type={loss_types}` cannot be accumulated exactly with {cls.__name__}: {why}, so no weighting of "
+                "micro-batches equals the large-batch loss. Use per-pair loss types (e.g. 'sigmoid'), or "
+                "`gradient_accumulation_steps=1` with the batch you want."
+            )
+
+
 class GradAccumTrainer(Trainer):
     """
     Drop-in replacement for [`~transformers.Trainer`] whose optimizer step under `gradient_accumulation_steps=N`
@@ -56,6 +92,11 @@ class GradAccumTrainer(Trainer):
     each micro-batch's mean loss is weighted by its item count (non-`-100` labels, shifted for causal LMs, one per
     row for sequence labels) and gradients are summed in fp32 buffers. Accepts [`GradAccumArguments`] or a plain
     `TrainingArguments` (then with the default accumulation options).
+
+    Composes with other `Trainer` subclasses in either order, e.g. `class MyTrainer(GradAccumTrainer, SFTTrainer)`
+    or `(SFTTrainer, GradAccumTrainer)` (or [`make_gradaccum_trainer`]): each micro-batch still runs through the
+    parents' own `training_step` and `compute_loss` (their contexts, metrics and auxiliary losses); only the
+    backward is routed through the accumulator. Add the options to their arguments with [`GradAccumFields`].
 
     Example:
 
@@ -70,6 +111,7 @@ class GradAccumTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
+        refuse_batch_level_losses(self)
         wants_deepspeed = self.is_deepspeed_enabled or bool(getattr(self.args, "deepspeed", None))
         if wants_deepspeed or self.is_fsdp_enabled or bool(getattr(self.args, "fsdp", None)):
             engine = "DeepSpeed" if wants_deepspeed else "FSDP"
@@ -145,17 +187,50 @@ class GradAccumTrainer(Trainer):
         non-`-100` labels (e.g. a custom `compute_loss` that averages over something else).
         """
         label_name = self.label_names[0] if self.label_names else "labels"
-        return count_items_in_batch(inputs, shift_labels=self._shifts_labels(), label_name=label_name)
+        labels = inputs.get(label_name)
+        if labels is None and inputs.get("shift_labels") is None:
+            self._warn_once(
+                "no_labels",
+                "GradAccumTrainer: micro-batches carry no `%s`, so each is weighted by its number of rows. That is "
+                "exact when the loss is a mean over rows (TRL's DPOTrainer and RewardTrainer: a mean over pairs) and "
+                "wrong otherwise: override `count_micro_batch_items` to return what your loss divides by.",
+                label_name,
+            )
+        # Only token-level labels (one per position) can be shifted; a causal-LM check is pointless for the others.
+        token_level = labels is not None and (labels if torch.is_tensor(labels) else torch.as_tensor(labels)).dim() > 1
+        shift = self._shifts_labels() if token_level else False
+        return count_items_in_batch(inputs, shift_labels=shift, label_name=label_name)
 
     def _shifts_labels(self) -> bool:
-        # The Trainer's own flag looks at `config.loss_type`, which is unset for e.g. GPT-2 (it then counts one
-        # extra item per row), so also recognise causal LMs by class, as `Trainer.compute_loss` does.
-        model = self.accelerator.unwrap_model(self.model)
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            return False
-        return bool(getattr(self, "_loss_shifts_labels", False)) or (
-            model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        )
+        """Whether items are counted as a causal LM's loss sees them (`labels[..., 1:]`), decided once per model."""
+        override = gradaccum_option(self.args, "count_shifted_labels")
+        if override is not None:
+            return override
+        model = self.model
+        cached = getattr(self, "_shift_decision", None)
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        # Sees through PEFT, torch.compile and DDP wrappers, and recognises causal LMs by their loss function or
+        # registered class, not only by a "ForCausalLM" class name (GPT2LMHeadModel has none).
+        shifts = loss_shifts_labels(model)
+        if shifts is None:
+            shifts = bool(getattr(self, "_loss_shifts_labels", False))
+            self._warn_once(
+                "unknown_shift",
+                "GradAccumTrainer cannot tell whether %s's loss shifts its token labels (a causal LM never predicts "
+                "position 0, so its mean divides by one item fewer per row). Counting them %s; if that is wrong the "
+                "update is off (by about one item per row). Set `count_shifted_labels=True/False` in the arguments.",
+                type(model).__name__,
+                "shifted (labels[..., 1:])" if shifts else "unshifted",
+            )
+        self._shift_decision = (model, shifts)
+        return shifts
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        warned = self.__dict__.setdefault("_gradaccum_warned", set())
+        if key not in warned:
+            warned.add(key)
+            logger.warning(message, *args)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Prefetch one window (as the stock Trainer does) and count its local items for the logged loss."""
@@ -189,9 +264,6 @@ class GradAccumTrainer(Trainer):
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
         accumulator = self._get_accumulator(model)
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
         micro_index = self._micro_index
         self._micro_index += 1
         try:
@@ -216,26 +288,75 @@ class GradAccumTrainer(Trainer):
         loss_sum, total_items = None, 0
         for chunk in chunks:
             num_items = self.count_micro_batch_items(chunk)
-            chunk = self._prepare_inputs(chunk)
-            items_tensor = torch.tensor(num_items, device=self.args.device)
-
-            def compute_loss(chunk=chunk, items_tensor=items_tensor) -> torch.Tensor:
-                with self.compute_loss_context_manager():
-                    # A custom `compute_loss`/`compute_loss_func` that divides by `num_items_in_batch` gets this
-                    # micro-batch's own count, so it returns the same per-micro-batch mean as the model would.
-                    loss = self.compute_loss(model, chunk, num_items_in_batch=items_tensor)
-                if self.args.n_gpu > 1:
-                    loss = loss.mean()  # DataParallel returns one loss per GPU
-                return loss
-
-            # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
-            # buffer once per window.
-            with accumulator.accumulate(model):
-                loss = accumulator.accumulate_micro_batch(compute_loss, num_items)
+            loss = self._parent_training_step(model, accumulator, chunk, num_items)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             total_items += num_items
         return (loss_sum / total_items if total_items else loss_sum), total_items
+
+    def _parent_training_step(
+        self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any], num_items: int
+    ) -> torch.Tensor:
+        """
+        One micro-batch through the parent classes' own `training_step` (TRL's activation-offloading context, any
+        context a subclass adds, then `Trainer.training_step`'s forward and `compute_loss`), with its
+        `accelerator.backward(loss)` routed into the accumulator. Returns the micro-batch's detached mean loss.
+
+        While it runs, the micro-batch is presented to `compute_loss` as a batch of its own: `num_items_in_batch`
+        is its own item count and `current_gradient_accumulation_steps` is 1. A `compute_loss` that divides by
+        either (TRL's SFTTrainer divides its MoE router loss by the accumulation steps) then returns this
+        micro-batch's own loss, which the accumulator weights by its share of the window's items.
+        """
+        inputs = self._prepare_inputs(inputs)
+        items_tensor = torch.tensor(num_items, device=self.args.device)
+        result: list[torch.Tensor] = []
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            if result:
+                raise RuntimeError(
+                    f"{type(self).__name__}.training_step called `accelerator.backward` twice for one micro-batch; "
+                    "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
+                )
+            first_attempt = [loss]
+
+            def compute_loss() -> torch.Tensor:
+                if first_attempt:
+                    return first_attempt.pop()
+                # fp16 overflow: recompute this micro-batch's forward at the backed-off scale, still inside the
+                # parent's training_step contexts.
+                with self.compute_loss_context_manager():
+                    again = self.compute_loss(model, inputs, num_items_in_batch=items_tensor)
+                return again.mean() if self.args.n_gpu > 1 else again
+
+            result.append(accumulator.accumulate_micro_batch(compute_loss, num_items))
+
+        steps = getattr(self, "current_gradient_accumulation_steps", None)
+        had_backward = "backward" in vars(self.accelerator)
+        previous_backward = vars(self.accelerator).get("backward")
+        self.current_gradient_accumulation_steps = 1
+        self.accelerator.backward = backward
+        try:
+            # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
+            # buffer once per window.
+            with accumulator.accumulate(model):
+                super().training_step(model, inputs, items_tensor)
+        finally:
+            if had_backward:
+                self.accelerator.backward = previous_backward
+            else:
+                del self.accelerator.backward
+            if steps is None:
+                del self.current_gradient_accumulation_steps
+            else:
+                self.current_gradient_accumulation_steps = steps
+        if not result:
+            raise RuntimeError(
+                f"The training_step of {type(self).__name__}'s parent classes returned without calling "
+                "`self.accelerator.backward(loss)`, so GradAccumTrainer could not weight and accumulate the "
+                "gradient. Compose GradAccumTrainer only with trainers whose training_step ends in "
+                "`Trainer.training_step` (SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
+            )
+        return result[0]
 
     def _recover_from_oom(self, model, accumulator, inputs, micro_index: int, error: BaseException):
         """Shrink the micro-batch until it fits and redo the window up to (and including) this micro-batch."""
@@ -380,6 +501,8 @@ class GradAccumTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every rank's RNG state is in the staged directory
         if self.args.should_save:
             publish_directory(staged, final)
+            with contextlib.suppress(OSError):
+                os.rmdir(staging_root)  # only when empty: never leave a stray folder in output_dir
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
                 self.state.best_model_checkpoint = final + self.state.best_model_checkpoint[len(staged) :]
             rotate_checkpoints(
@@ -418,3 +541,27 @@ class GradAccumTrainer(Trainer):
         if self.accumulator is not None and ("loss" in logs or "train_loss" in logs):
             logs = {**logs, **self.accumulator.metrics()}
         super().log(logs, start_time)
+
+
+def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) -> type[Trainer]:
+    """
+    `class GradAccum<Name>(GradAccumTrainer, trainer_cls)`: `trainer_cls` (TRL's `SFTTrainer`, `DPOTrainer`,
+    `RewardTrainer`, transformers' `Seq2SeqTrainer`, yours) with exact gradient accumulation. Its `training_step`
+    and `compute_loss` still run (contexts, metrics, auxiliary losses); writing `class T(GradAccumTrainer,
+    trainer_cls)` or `class T(trainer_cls, GradAccumTrainer)` yourself is equivalent.
+
+    Example:
+
+    ```python
+    >>> from transformers import Seq2SeqTrainer
+    >>> from hf_gradaccum import make_gradaccum_trainer
+    >>> make_gradaccum_trainer(Seq2SeqTrainer).__name__
+    'GradAccumSeq2SeqTrainer'
+    ```
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"`trainer_cls` must be a transformers.Trainer subclass, got {trainer_cls!r}.")
+    if issubclass(trainer_cls, GradAccumTrainer):
+        return trainer_cls
+    name = name or f"GradAccum{trainer_cls.__name__}"
+    return type(name, (GradAccumTrainer, trainer_cls), {"__module__": __name__, "__qualname__": name})

@@ -1,0 +1,31 @@
+"""`recipes/sft_tiny.py` runs offline, quickly, and its accumulated SFT run ends where the large-batch run ends."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.multiprocess import ROOT
+
+pytest.importorskip("trl")
+
+
+def test_sft_tiny_recipe_runs_offline_and_matches_the_large_batch():
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "recipes/sft_tiny.py", "--samples", "96", "--epochs", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    difference = float(re.search(r"relative weight difference after 1 epochs: (\S+)", proc.stdout).group(1))
+    assert difference <= 1e-5, proc.stdout
+    assert "mean_token_accuracy" in proc.stdout
+    assert elapsed < 60, f"the recipe took {elapsed:.0f} s"
