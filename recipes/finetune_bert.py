@@ -58,6 +58,7 @@ from hf_gradaccum.harness.arms import (
 )
 from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
 from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
+from hf_gradaccum.harness.loading import load_with_new_head
 from hf_gradaccum.harness.metrics import metric_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +209,7 @@ def build_model(args: BertRecipeArguments, label_names: list[str]):
     if args.disable_dropout:
         zero_dropout(config)
     # Only the classification head is new; `set_seed` before this call makes it identical in every arm.
-    return AutoModelForSequenceClassification.from_pretrained(model_path(args), config=config)
+    return load_with_new_head(AutoModelForSequenceClassification.from_pretrained, model_path(args), config=config)
 
 
 def zero_dropout(config) -> list[str]:

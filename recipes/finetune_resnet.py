@@ -117,6 +117,12 @@ class ResNetRecipeArguments:
                 raise ValueError(f"`{name}` must be >= 1 (or null for all), got {value}.")
         if self.image_size < 8:
             raise ValueError(f"`image_size` must be >= 8, got {self.image_size}.")
+        for name in ("resnet_embedding_size", "groupnorm_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {getattr(self, name)}.")
+        for name in ("resnet_hidden_sizes", "resnet_depths"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"`{name}` must be a non-empty list of integers >= 1, got {getattr(self, name)}.")
         if len(self.resnet_hidden_sizes) != len(self.resnet_depths):
             raise ValueError(
                 f"`resnet_hidden_sizes` ({self.resnet_hidden_sizes}) and `resnet_depths` ({self.resnet_depths}) "

@@ -12,6 +12,7 @@ from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.loss_scaling import validate_loss_scaling
+from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 
@@ -140,17 +141,21 @@ class GradAccumArguments(GradAccumFields, TrainingArguments):
 
 def launched_data_parallel_without_accelerator() -> bool:
     """Whether this process is one of several ranks (`WORLD_SIZE` > 1) on a machine with no GPU or other accelerator."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not accelerator_available()
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees a GPU or another accelerator (pinned memory and NCCL need one)."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None and hasattr(accelerator, "is_available"):
-        return not accelerator.is_available()
-    return not torch.cuda.is_available()
+        return accelerator.is_available()
+    return torch.cuda.is_available()
 
 
 def validate_gradaccum_fields(args: Any) -> None:
     """Check the accumulation-related fields of `args` (a [`GradAccumArguments`] or a plain `TrainingArguments`)."""
     validate_accumulation_steps(args.gradient_accumulation_steps)
+    validate_training_numbers(args)
     if getattr(args, "fp16", False) and getattr(args, "bf16", False):
         raise ValueError("`fp16` and `bf16` cannot both be True: choose one mixed-precision mode.")
     resolve_accumulation_dtype(gradaccum_option(args, "accumulation_dtype"))

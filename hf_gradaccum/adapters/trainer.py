@@ -122,10 +122,11 @@ class GradAccumTrainer(Trainer):
                 "accumulation."
             )
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
-        # into `forward` because most heads (BERT, ResNet) ignore it, and the Trainer's cross-device correction of
-        # that count would be applied twice (the accumulator already counts items across ranks).
+        # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that
+        # count (`average_tokens_across_devices`) would be applied twice (the accumulator already counts items across
+        # ranks), so it is switched off while each micro-batch runs (`_parent_training_step`) and the user's value is
+        # left in `self.args`, i.e. in the saved `training_args.bin`.
         self.model_accepts_loss_kwargs = False
-        self.args.average_tokens_across_devices = False
         if self.accelerator.scaler is not None:
             # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
             # GradScaler keeps Accelerate's autocast and makes its unscale/step calls no-ops.
@@ -333,14 +334,17 @@ class GradAccumTrainer(Trainer):
         steps = getattr(self, "current_gradient_accumulation_steps", None)
         had_backward = "backward" in vars(self.accelerator)
         previous_backward = vars(self.accelerator).get("backward")
+        average_tokens = getattr(self.args, "average_tokens_across_devices", False)
         self.current_gradient_accumulation_steps = 1
         self.accelerator.backward = backward
+        self.args.average_tokens_across_devices = False
         try:
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
             with accumulator.accumulate(model):
                 super().training_step(model, inputs, items_tensor)
         finally:
+            self.args.average_tokens_across_devices = average_tokens
             if had_backward:
                 self.accelerator.backward = previous_backward
             else:
@@ -539,7 +543,9 @@ class GradAccumTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.accumulator is not None and ("loss" in logs or "train_loss" in logs):
-            logs = {**logs, **self.accumulator.metrics()}
+            # In place, as `Trainer.log` adds `epoch` in place: callers (e.g. `train()` building
+            # `train_results.json`) see every key the stock Trainer would give them, plus ours.
+            logs.update(self.accumulator.metrics())
         super().log(logs, start_time)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ProgressCallback
 
+from ..adapters.arguments import accelerator_available
 from .reporting import build_parity_report, format_summary, write_parity_report
 
 ARM_KINDS = ("reference", "accumulated", "small_batch", "noise_floor")
@@ -44,6 +46,7 @@ NOISE_FLOOR_PERTURBATION = 1e-7
 BATCHNORM_MODES = ("keep", "groupnorm", "freeze", "momentum")
 ARM_RESULT_FILE = "arm_result.json"
 ARM_WEIGHTS_FILE = "weights.safetensors"
+ARM_LOG_FILE = "arm.log"  # the arm process's full console output
 
 
 @dataclass
@@ -86,9 +89,9 @@ class ParityArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.max_memory_mb is not None and self.max_memory_mb <= 0:
+        if self.max_memory_mb is not None and not (0 < self.max_memory_mb < float("inf")):
             raise ValueError(f"`max_memory_mb` must be > 0 (or null for no limit), got {self.max_memory_mb}.")
-        if self.loss_tolerance < 0:
+        if not (0 <= self.loss_tolerance < float("inf")):
             raise ValueError(f"`loss_tolerance` must be >= 0, got {self.loss_tolerance}.")
         if len(set(self.arms)) != len(self.arms):
             raise ValueError(f"`arms` lists an arm twice: {self.arms}.")
@@ -236,6 +239,9 @@ def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:
         "save_strategy": "no",
         "eval_strategy": "no",
     }
+    if not accelerator_available():
+        # Pinned memory needs an accelerator; without one the DataLoader warns on every arm.
+        overrides["dataloader_pin_memory"] = "false"
     return [token for key, value in overrides.items() for token in (f"--{key}", str(value))]
 
 
@@ -289,18 +295,50 @@ def run_arms_in_subprocesses(
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         command = [sys.executable, str(script), *argv, "--run_single_arm", spec.name]
         print(f"\n=== arm {index + 1}/{len(specs)}: {spec.name} ({describe_layout(spec)}) ===", flush=True)
+        log_path = arm_dir(output_dir, spec.name) / ARM_LOG_FILE
         start = time.perf_counter()
-        returncode = subprocess.run(command, env=env, check=False).returncode
+        returncode = run_teed(command, env=env, log_path=log_path)
         wall_time = time.perf_counter() - start
         result_file = arm_dir(output_dir, spec.name) / ARM_RESULT_FILE
         if returncode == 0 and result_file.is_file():
             result = json.loads(result_file.read_text())
         else:
-            result = failed_arm_result(spec, f"the arm's process exited with code {returncode}")
+            cause = last_error_line(log_path) or f"the arm's process exited with code {returncode}"
+            result = failed_arm_result(spec, cause)
+            result["log"] = str(log_path)
         result["process_wall_time_s"] = wall_time
         results.append(result)
-        print(f"=== arm {spec.name}: {arm_outcome(result)}, {wall_time:.0f} s ===", flush=True)
+        if result["status"] == "failed":
+            print(f"=== arm {spec.name} failed: {result['error']} (full log: {log_path}) ===", flush=True)
+        else:
+            print(f"=== arm {spec.name}: {arm_outcome(result)}; {wall_time:.0f} s in its own process ===", flush=True)
     return results
+
+
+def run_teed(command: Sequence[str], *, env: dict[str, str], log_path: Path) -> int:
+    """Run `command`, streaming its output (progress bars included) to this console and to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        open(log_path, "wb") as log,
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process,
+    ):
+        # Raw chunks, not lines: tqdm redraws its bar with carriage returns and no newline.
+        while chunk := process.stdout.read1(65536):
+            log.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        return process.wait()
+
+
+def last_error_line(log_path: Path) -> str | None:
+    """The last `SomeError: message` line of a log (the exception that ended the process), if any."""
+    if not log_path.is_file():
+        return None
+    lines = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*", line.strip()):
+            return line.strip()
+    return None
 
 
 def arm_outcome(result: dict[str, Any]) -> str:
@@ -326,9 +364,36 @@ def describe_layout(spec: ArmSpec) -> str:
 
 
 def launch_command(script: str | Path, argv: Sequence[str]) -> str:
-    """How the recipe was started, for the report (`accelerate launch` sets `ACCELERATE_*` environment variables)."""
-    launcher = "accelerate launch" if any(key.startswith("ACCELERATE_") for key in os.environ) else "python"
-    return f"{launcher} {shlex.join([os.path.relpath(script, Path.cwd()), *argv])}"
+    """
+    The exact command that started the recipe, for the report. Under `accelerate launch` this process's own command
+    line does not show the launcher's options, so the launcher's command line is read from the parent process
+    (`/proc`, Linux); elsewhere the `accelerate launch` prefix is reconstructed without its options.
+    """
+    script_and_args = shlex.join([os.path.relpath(script, Path.cwd()), *argv])
+    if not any(key.startswith("ACCELERATE_") for key in os.environ):
+        return f"python {script_and_args}"
+    launcher = _accelerate_launcher_command()
+    return launcher if launcher is not None else f"accelerate launch {script_and_args}"
+
+
+def _accelerate_launcher_command() -> str | None:
+    """`accelerate launch --config_file ... script.py ...` from the nearest ancestor process that ran it."""
+    pid = os.getppid()
+    for _ in range(4):  # accelerate launch -> (torchrun agent) -> this process
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return None
+        args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        if "launch" in args:
+            start = args.index("launch")
+            return shlex.join(["accelerate", *args[start:]])
+        match = re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE)
+        if match is None or int(match.group(1)) <= 1:
+            return None
+        pid = int(match.group(1))
+    return None
 
 
 def describe_device(device: torch.device) -> str:
@@ -604,6 +669,12 @@ def report_parity_run(
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under a multi-process launch, rank 0 writes the report
     output_dir = Path(output_dir)
+    if results and all(result["status"] == "failed" for result in results):
+        # A report of "did not finish" rows only would look like a result; there is none.
+        print(
+            f"\nEvery arm failed; no report written. Logs: {output_dir / 'arms'}/<arm>/{ARM_LOG_FILE}", file=sys.stderr
+        )
+        return 1
     weight_paths = {spec.name: arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE for spec in specs}
     report = build_parity_report(
         results,

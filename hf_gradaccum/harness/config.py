@@ -56,6 +56,15 @@ class RecipeArgumentParser(HfArgumentParser):
     def __init__(self, dataclass_types: Iterable[type], *, default_config: str | Path | None = None, **kwargs: Any):
         super().__init__(list(dataclass_types), **kwargs)
         self.default_config = None if default_config is None else Path(default_config)
+        # Listed for `--help` only: `parse_recipe_args` takes `--config` out of the command line before parsing.
+        self.add_argument(
+            "--config",
+            metavar="YAML",
+            default=None if default_config is None else _display_path(self.default_config),
+            help="YAML file of `option: value` lines that become the defaults of all other options (command-line "
+            "flags override them). The defaults shown by --help are the ones that run: this file's values on top "
+            "of the dataclasses' own.",
+        )
 
     def error(self, message: str):  # noqa: D401 - argparse API
         # argparse prints usage and calls `sys.exit(2)`; we raise so the caller can prefix the file and key.
@@ -84,6 +93,10 @@ class RecipeArgumentParser(HfArgumentParser):
         config_tokens: list[str] = []
         if config_path is not None:
             config_tokens = self.config_to_tokens(config_path)
+            # The YAML's values become the parser's defaults, so `--help` shows what actually runs (TRL's
+            # `TrlParser` does the same). Parsing still puts the YAML tokens first, so flags win.
+            self.set_defaults(**self._typed_values(config_tokens))
+            self.set_defaults(config=_display_path(Path(config_path)))
         source = f"{config_path} + command line" if config_path is not None else "command line"
         try:
             *parsed, remaining = self.parse_args_into_dataclasses(
@@ -101,7 +114,9 @@ class RecipeArgumentParser(HfArgumentParser):
                 "Invalid command line: "
                 + "; ".join(_unknown_key_message(flag.lstrip("-").split("=")[0], actions, flag) for flag in flags)
             )
-        return tuple(parsed)
+        # `--config` is listed by the parser (for `--help`) but belongs to no dataclass: HfArgumentParser returns it
+        # in an extra Namespace, which is not one of the recipe's arguments.
+        return tuple(p for p in parsed if not isinstance(p, argparse.Namespace))
 
     def config_to_tokens(self, path: str | Path) -> list[str]:
         """
@@ -142,12 +157,20 @@ class RecipeArgumentParser(HfArgumentParser):
         return tokens
 
     # ------------------------------------------------------------------ helpers
+    def _typed_values(self, tokens: list[str]) -> dict[str, Any]:
+        """The options set by `tokens`, converted by their actions exactly as on the command line."""
+        namespace, _ = self.parse_known_args(tokens)
+        given = {token[2:].split("=")[0] for token in tokens if token.startswith("--")}
+        return {dest: value for dest, value in vars(namespace).items() if dest in given}
+
     def _actions_by_dest(self) -> dict[str, argparse.Action]:
         # Only the real options: `no_*` complements of booleans share the dest of the option they negate.
         return {
             a.dest: a
             for a in self._actions
-            if a.option_strings and a.dest != "help" and not any(s.startswith("--no_") for s in a.option_strings)
+            if a.option_strings
+            and a.dest not in ("help", "config")
+            and not any(s.startswith("--no_") for s in a.option_strings)
         }
 
     def _check_tokens(self, key: str, tokens: list[str], path: Path) -> None:
@@ -194,6 +217,14 @@ def split_config_flag(argv: Sequence[str]) -> tuple[Path | None, list[str]]:
             rest.append(arg)
         i += 1
     return path, rest
+
+
+def _display_path(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (shorter in `--help` and reports)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _unknown_key_message(key: Any, actions: dict[str, argparse.Action], flag: str | None = None) -> str:
