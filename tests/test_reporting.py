@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import evaluate
 import pytest
@@ -29,6 +30,8 @@ from hf_gradaccum.harness.reporting import (
     validate_parity_report,
     write_parity_report,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 META = dict(
     recipe="unit",
@@ -291,3 +294,26 @@ def test_offline_accuracy_metric():
     assert metric.compute(predictions=[1, 0], references=[1, 1], normalize=False)["accuracy"] == 1
     with pytest.raises(ValueError, match="hf_gradaccum ships"):
         metric_path("bleu")
+
+
+@pytest.mark.parametrize("recipe", ["bert", "resnet"])
+def test_every_line_of_the_loss_plot_is_in_its_legend(recipe):
+    """Committed reports: every drawn line has a legend entry; the ResNet figure has one row per BatchNorm
+    treatment (small multiples)."""
+    import matplotlib.pyplot as plt
+
+    from hf_gradaccum.harness.reporting import load_parity_report, loss_curves_figure
+
+    report = load_parity_report(ROOT / "docs" / recipe / "parity_report.json")
+    fig = loss_curves_figure(report)
+    try:
+        treatments = {a.get("batchnorm") or "keep" for a in report["arms"] if a["status"] == "ok"}
+        assert len(fig.axes) == 2 * len(treatments)
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            assert legend is not None
+            entries = {t.get_text() for t in legend.get_texts()}
+            for line in ax.get_lines():
+                assert line.get_label() in entries, (ax.get_title(), line.get_label())
+    finally:
+        plt.close(fig)

@@ -654,7 +654,9 @@ def plot_loss_curves(report: Mapping[str, Any], path: str | Path) -> Path:
     """
     Plot the train loss of every finished arm against samples seen (left) and the per-step |Δloss| of each arm vs
     its reference on a log scale (right), with the match tolerance. Small-batch arms are drawn raw (faint) and
-    averaged over the reference's step (solid).
+    averaged over the reference's step (solid); both are in the legend. When the arms use several BatchNorm
+    treatments (the ResNet recipe), the figure has one row per treatment (small multiples), each arm drawn with the
+    reference it is compared to.
 
     Returns:
         `Path`: the PNG written.
@@ -666,19 +668,49 @@ def plot_loss_curves(report: Mapping[str, Any], path: str | Path) -> Path:
     >>> plot_loss_curves(report, "loss_curves.png")  # doctest: +SKIP
     ```
     """
+    return _save(loss_curves_figure(report), path)
+
+
+def loss_curves_figure(report: Mapping[str, Any]) -> Any:
+    """The matplotlib figure that [`plot_loss_curves`] saves."""
     plt = _pyplot()
     by_name = {a["name"]: a for a in report["arms"]}
-    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.8))
+    finished = [a for a in report["arms"] if a["status"] == "ok" and a["train_loss"]]
+    treatments = list(dict.fromkeys(a.get("batchnorm") or "keep" for a in finished)) or ["keep"]
+    rows = len(treatments)
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 4.8 if rows == 1 else 3.4 * rows), squeeze=False)
+    for (ax_loss, ax_diff), treatment in zip(axes, treatments, strict=True):
+        arms = [a for a in finished if (a.get("batchnorm") or "keep") == treatment]
+        # Each arm's reference is drawn with it, even when it belongs to another treatment (momentum vs keep).
+        for arm in list(arms):
+            reference = by_name.get(arm.get("compared_to") or "")
+            if reference is not None and reference in finished and reference not in arms:
+                arms.insert(0, reference)
+        _draw_loss_panels(ax_loss, ax_diff, arms, by_name, report["loss_tolerance"])
+        if rows > 1:
+            ax_loss.set_title(f"BatchNorm: {treatment} - train loss per optimizer step", fontsize=9)
+            ax_diff.set_title(f"BatchNorm: {treatment} - per-step |Δloss| vs reference", fontsize=9)
+    fig.suptitle(f"{report['recipe']}: {report['model']} on {report['dataset']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_loss_panels(
+    ax_loss: Any, ax_diff: Any, arms: Sequence[Mapping[str, Any]], by_name, tolerance: float
+) -> None:
     styles = ["-", "--", ":", "-."]
-    for i, arm in enumerate(a for a in report["arms"] if a["status"] == "ok" and a["train_loss"]):
+    for i, arm in enumerate(arms):
         batch = arm["effective_batch_size"]
         xs = [batch * (k + 1) for k in range(len(arm["train_loss"]))]
         reference = by_name.get(arm.get("compared_to") or "")
         style = dict(linestyle=styles[i % len(styles)], linewidth=1.6, label=f"{arm['name']} ({batch}/step)")
         if arm.get("loss_diff_basis") == "equal_samples" and reference is not None:
             group = reference["effective_batch_size"] // batch
-            (line,) = ax_loss.plot(xs, arm["train_loss"], alpha=0.2, linewidth=0.8)
+            (line,) = ax_loss.plot(
+                xs, arm["train_loss"], alpha=0.2, linewidth=0.8, label=f"{arm['name']}, each step (raw)"
+            )
             means = group_means(arm["train_loss"], group)
+            style["label"] = f"{arm['name']}, mean over {group} steps = {batch * group} samples"
             ax_loss.plot([batch * group * (k + 1) for k in range(len(means))], means, color=line.get_color(), **style)
         else:
             ax_loss.plot(xs, arm["train_loss"], **style)
@@ -694,18 +726,15 @@ def plot_loss_curves(report: Mapping[str, Any], path: str | Path) -> Path:
     ax_loss.set_xlabel("samples seen")
     ax_loss.set_ylabel("train loss")
     ax_loss.set_title("Train loss per optimizer step")
-    ax_loss.legend(fontsize=8)
+    ax_loss.legend(fontsize=7)
     ax_loss.grid(alpha=0.3)
-    ax_diff.axhline(report["loss_tolerance"], color="black", linestyle="--", linewidth=1, label="tolerance")
+    ax_diff.axhline(tolerance, color="black", linestyle="--", linewidth=1, label="tolerance")
     ax_diff.set_xlabel("optimizer step")
     ax_diff.set_ylabel("|Δloss| vs reference (0 drawn at 1e-12)")
     ax_diff.set_title("Per-step loss difference, same batch per step")
-    ax_diff.set_ylim(5e-13, max(1.0, 10 * report["loss_tolerance"]))
-    ax_diff.legend(fontsize=7, loc="best")  # many arms: let matplotlib find the emptiest corner
+    ax_diff.set_ylim(5e-13, max(1.0, 10 * tolerance))
+    ax_diff.legend(fontsize=7, loc="best")
     ax_diff.grid(alpha=0.3, which="both")
-    fig.suptitle(f"{report['recipe']}: {report['model']} on {report['dataset']}", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
 
 
 def plot_memory(report: Mapping[str, Any], path: str | Path) -> Path:
@@ -801,3 +830,13 @@ def _save(fig: Any, path: str | Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    # Re-render a report's Markdown and plots from its JSON (no training):
+    #   python -m hf_gradaccum.harness.reporting docs/resnet/parity_report.json
+    import sys
+
+    for json_path in sys.argv[1:]:
+        written = write_parity_report(load_parity_report(json_path), Path(json_path).parent)
+        print(" ".join(str(p) for p in written.values()))
