@@ -317,3 +317,33 @@ def test_every_line_of_the_loss_plot_is_in_its_legend(recipe):
                 assert line.get_label() in entries, (ax.get_title(), line.get_label())
     finally:
         plt.close(fig)
+
+
+def test_no_report_when_every_arm_failed(tmp_path, capsys):
+    from hf_gradaccum.harness.arms import report_parity_run
+
+    specs = plan_arms(["reference", "accumulated"], micro_batch_size=2, gradient_accumulation_steps=2)
+    results = [failed_arm_result(spec, "ValueError: boom") for spec in specs]
+    status = report_parity_run(
+        results, specs, metadata=META, parity_args=ParityArguments(), output_dir=tmp_path, saved_arm="accumulated"
+    )
+    assert status == 1
+    assert "Every arm failed; no report written" in capsys.readouterr().err
+    assert not list(tmp_path.glob("parity_report.*"))
+
+
+def test_failed_arm_prints_one_line_with_cause_and_log(tmp_path, capsys):
+    """A real child process that raises: one line on the console names the exception and the log's path."""
+
+    from hf_gradaccum.harness.arms import run_arms_in_subprocesses
+
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nprint('working...')\nraise ValueError('learning rate went negative')\n")
+    (spec,) = plan_arms(["reference"], micro_batch_size=2, gradient_accumulation_steps=2)
+    (result,) = run_arms_in_subprocesses([spec], script=script, argv=[], output_dir=tmp_path)
+    out = capsys.readouterr().out
+    log = tmp_path / "arms" / "reference" / "arm.log"
+    line = f"=== arm reference failed: ValueError: learning rate went negative (full log: {log}) ==="
+    assert line in out
+    assert result["status"] == "failed" and result["log"] == str(log)
+    assert "Traceback" in log.read_text() and "working..." in log.read_text()
