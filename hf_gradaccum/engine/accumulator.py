@@ -30,7 +30,7 @@ from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
 from .loss_scaling import DynamicLossScaler
 from .recompute import accumulate_with_recompute, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
-from .sharded import ShardedGradientBuffers, is_dtensor, prepare_fsdp2_for_summing
+from .sharded import ShardedGradientBuffers, agree_any, is_dtensor, prepare_fsdp2_for_summing
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -238,7 +238,7 @@ class GradientAccumulator:
         if n == 0:
             return
         self._window.record_loss(loss, n)
-        if not bool(torch.isfinite(loss.detach()).all()):
+        if self._agree(not bool(torch.isfinite(loss.detach()).all())):
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             self._window.overflowed = True
             return
@@ -293,9 +293,14 @@ class GradientAccumulator:
         self._defer_fold = True
         try:
             self._backward_scaled(loss, n)
-            return gradients_overflowed(self.parameters)
+            return self._agree(gradients_overflowed(self.parameters))
         finally:
             self._defer_fold = False
+
+    def _agree(self, flag: bool) -> bool:
+        """Sharded (FSDP2): the flag OR-ed over ranks, so every rank skips or redoes the same micro-batch (its
+        backward is a collective). Replicated (DDP, one process): the rank's own flag; the window end agrees."""
+        return agree_any(flag, self.buffers.first_device) if self.sharded else flag
 
     def _drop_pending(self) -> None:
         for p in self.parameters:

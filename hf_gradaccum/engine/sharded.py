@@ -100,3 +100,18 @@ class ShardedGradientBuffers(FlatGradientBuffers):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag)
         return float(flag.item()) == 0.0
+
+
+def agree_any(flag: bool, device: torch.device) -> bool:
+    """`flag` OR-ed over all ranks (one tiny all-reduce): FSDP2's backward is a collective, so a decision to skip or
+    redo a micro-batch must be the same on every rank, or the ranks' reduce-scatters no longer pair up."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t)
+    return float(t.item()) > 0
+
+
+def local_gradients(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rank-local tensors of the parameters' `.grad` (DTensor or plain), skipping `None`."""
+    return [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in parameters if p.grad is not None]
