@@ -40,12 +40,12 @@ def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
         assert record["err"] <= ddp_workers.RTOL
 
 
-def test_fsdp_is_refused_with_a_clear_error(tmp_path):
+def test_trainer_fsdp_is_refused_and_plain_fsdp2_accepted(tmp_path):
     launch("sharded_engines_refused", str(tmp_path))
     for r in (0, 1):
         messages = json.loads((tmp_path / f"refused_rank{r}.json").read_text())
         assert "FSDP" in messages["trainer"] and "DDP" in messages["trainer"]
-        assert "FSDP" in messages["plain"] and "DDP" in messages["plain"]
+        assert "plain" not in messages and messages["plain_sharded"] is True
 
 
 def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):

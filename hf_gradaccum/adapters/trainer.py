@@ -120,6 +120,13 @@ class GradAccumTrainer(Trainer):
                 "so this project's buffers and item weighting would be bypassed. Use DDP (`accelerate launch` "
                 f"without a {engine} config) with GradAccumTrainer, or the stock Trainer with {engine}'s own "
                 "accumulation."
+                + (
+                    " For FSDP2, `GradientAccumulator` in a plain loop (model wrapped with "
+                    "`torch.distributed.fsdp.fully_shard`) accumulates sharded fp32 gradients exactly; the Trainer "
+                    "path with Accelerate's FSDP2 plugin is not supported yet (see docs/fsdp2.md)."
+                    if not wants_deepspeed
+                    else ""
+                )
             )
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
         # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that

@@ -30,6 +30,7 @@ from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
 from .loss_scaling import DynamicLossScaler
 from .recompute import accumulate_with_recompute, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
+from .sharded import ShardedGradientBuffers, agree_any, is_dtensor, prepare_fsdp2_for_summing
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -47,25 +48,29 @@ def validate_accumulation_steps(steps: Any, name: str = "gradient_accumulation_s
 
 def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
     """
-    FSDP and DeepSpeed shard (and reduce-scatter) gradients themselves, so a flat buffer of full gradients cannot sit
-    between backward and the optimizer: refuse them with an error that says what to use, instead of training wrong.
+    DeepSpeed and FSDP1 (`FullyShardedDataParallel`) accumulate and reduce gradients themselves, so the buffers
+    cannot sit between backward and the optimizer: refuse them with an error that says what to use, instead of
+    training wrong. FSDP2 (`fully_shard`) is supported (sharded buffers, `sharded.py`); DTensor parameters without
+    FSDP2 (tensor parallelism) are refused.
     """
     if not isinstance(model, nn.Module):
+        if any(is_dtensor(p) for p in model):
+            raise ValueError(
+                "GradientAccumulator needs the `nn.Module` (not its parameters) for FSDP2/DTensor models, so it can "
+                "make the reduce-scatter sum (gradient divide factor 1.0)."
+            )
         return
     engine = None
-    if any(
-        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or type(m).__name__.startswith("FSDP")
-        for m in model.modules()
-    ):
-        engine = "FSDP"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        engine = "FSDP1 (FullyShardedDataParallel)"
     elif type(model).__name__ == "DeepSpeedEngine":
         engine = "DeepSpeed"
-    elif any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        engine = "FSDP2/tensor parallelism (DTensor parameters)"
+    elif any(is_dtensor(p) for p in model.parameters()) and not prepare_fsdp2_for_summing(model):
+        engine = "tensor parallelism (DTensor parameters without FSDP2)"
     if engine is not None:
         raise ValueError(
             f"GradientAccumulator does not support {engine}: the engine shards and reduces gradients itself. Use DDP "
-            "(`accelerate launch` without an FSDP/DeepSpeed config) with hf_gradaccum, or the engine's own gradient "
+            "or FSDP2 (`torch.distributed.fsdp.fully_shard`) with hf_gradaccum, or the engine's own gradient "
             "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
         )
 
@@ -145,7 +150,14 @@ class GradientAccumulator:
         if not self.parameters:
             raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
 
-        self.buffers = FlatGradientBuffers(self.parameters, self.accumulation_dtype)
+        # FSDP2: each rank holds only its shard of the buffer, filled from the reduce-scattered gradients; the
+        # reduce-scatter sums (divide factor 1.0, set by `refuse_sharded_engines`) and each rank's loss carries
+        # its own item weight, since weights differ between ranks and cannot be applied after the reduction.
+        self.sharded = any(is_dtensor(p) for p in self.parameters)
+        if self.sharded and isinstance(model, nn.Module):
+            prepare_fsdp2_for_summing(model)
+        buffer_class = ShardedGradientBuffers if self.sharded else FlatGradientBuffers
+        self.buffers = buffer_class(self.parameters, self.accumulation_dtype)
 
         # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
         # pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
@@ -226,7 +238,7 @@ class GradientAccumulator:
         if n == 0:
             return
         self._window.record_loss(loss, n)
-        if not bool(torch.isfinite(loss.detach()).all()):
+        if self._agree(not bool(torch.isfinite(loss.detach()).all())):
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             self._window.overflowed = True
             return
@@ -269,9 +281,10 @@ class GradientAccumulator:
 
     def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
         scale = self.current_scale
-        self._fold_alpha = n / scale
+        # Sharded: the weight goes into the loss, before the reduce-scatter sums the ranks' gradients.
+        loss_factor, self._fold_alpha = (scale * n, 1.0 / scale) if self.sharded else (scale, n / scale)
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            (loss * loss_factor if loss_factor != 1.0 else loss).backward()
         finally:
             self._fold_alpha = None
 
@@ -280,16 +293,21 @@ class GradientAccumulator:
         self._defer_fold = True
         try:
             self._backward_scaled(loss, n)
-            return gradients_overflowed(self.parameters)
+            return self._agree(gradients_overflowed(self.parameters))
         finally:
             self._defer_fold = False
+
+    def _agree(self, flag: bool) -> bool:
+        """Sharded (FSDP2): the flag OR-ed over ranks, so every rank skips or redoes the same micro-batch (its
+        backward is a collective). Replicated (DDP, one process): the rank's own flag; the window end agrees."""
+        return agree_any(flag, self.buffers.first_device) if self.sharded else flag
 
     def _drop_pending(self) -> None:
         for p in self.parameters:
             p.grad = None
 
     def _fold_pending(self, n: float) -> None:
-        self._fold_alpha = n / self.current_scale
+        self._fold_alpha = (1.0 if self.sharded else n) / self.current_scale
         try:
             for i, p in enumerate(self.parameters):
                 if p.grad is not None:
@@ -327,12 +345,15 @@ class GradientAccumulator:
                 )
 
         world, rank = world_size_and_rank(self._reduce_gradients)
-        reduced, collectives = reduce_window(window, self.buffers, self.current_scale, world, rank)
+        reduced, collectives = reduce_window(
+            window, self.buffers, self.current_scale, world, rank, reduce_buffers=not self.sharded
+        )
         if world > 1:
             self.num_gradient_reductions += 1
             self.num_collectives += collectives
         items, loss_sum = reduced.items, reduced.loss_sum
-        finite_grads = self.buffers.all_finite()
+        # Each rank sees only its shard: one rank's inf must skip the window on every rank.
+        finite_grads = self.buffers.all_finite_everywhere() if self.sharded else self.buffers.all_finite()
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"
@@ -399,7 +420,9 @@ class GradientAccumulator:
         result = self.finish_window()
         if result.applied:
             if max_grad_norm is not None and max_grad_norm > 0:
-                result.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm))
+                norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm)
+                # FSDP2: the norm is a DTensor over the shards; `full_tensor()` is the global norm.
+                result.grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .sharded import local_gradients
+
 if TYPE_CHECKING:
     from .accumulator import GradientAccumulator
 
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def gradients_overflowed(parameters: Sequence[torch.Tensor]) -> bool:
     """Whether any `.grad` of `parameters` holds an inf or NaN (one fused max-norm per dtype, one host sync)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = local_gradients(parameters)
     if not grads:
         return False
     norms = torch._foreach_norm(grads, ord=math.inf)
@@ -42,7 +44,7 @@ def accumulate_with_recompute(
     window, scaler = accumulator._window, accumulator.loss_scaler
     for attempt in range(accumulator.max_recompute_attempts + 1):
         loss = compute_loss()
-        if not bool(torch.isfinite(loss.detach()).all()):
+        if accumulator._agree(not bool(torch.isfinite(loss.detach()).all())):
             # The unscaled loss itself is inf/NaN: no scale can fix that.
             window.record_loss(loss, num_items)
             window.overflowed = True

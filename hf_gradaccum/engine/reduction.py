@@ -39,11 +39,18 @@ class ReducedWindow:
 
 
 def reduce_window(
-    window: WindowState, buffers: FlatGradientBuffers, scale: float, world_size: int, rank: int
+    window: WindowState,
+    buffers: FlatGradientBuffers,
+    scale: float,
+    world_size: int,
+    rank: int,
+    *,
+    reduce_buffers: bool = True,
 ) -> tuple[ReducedWindow, int]:
     """
     Sum the gradient buffers and the window's statistics over ranks (a no-op for one rank). Returns the reduced
-    statistics and the number of collectives launched.
+    statistics and the number of collectives launched. `reduce_buffers=False` sums only the statistics: FSDP2's
+    sharded buffers were already reduce-scattered at every micro-batch.
     """
     scales = [0.0] * world_size
     scales[rank] = scale
@@ -53,10 +60,12 @@ def reduce_window(
     )
     collectives = 0
     if world_size > 1:
-        for buffer in buffers.flat.values():
-            torch.distributed.all_reduce(buffer)
+        if reduce_buffers:
+            for buffer in buffers.flat.values():
+                torch.distributed.all_reduce(buffer)
+            collectives = len(buffers.flat)
         torch.distributed.all_reduce(stats)
-        collectives = len(buffers.flat) + 1
+        collectives += 1
     values = stats.tolist()
     reduced = ReducedWindow(
         items=values[0],

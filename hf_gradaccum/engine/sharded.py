@@ -1,0 +1,117 @@
+"""Sharded accumulation buffers for FSDP2 (`torch.distributed.fsdp.fully_shard`) models.
+
+FSDP2 reduce-scatters each micro-batch's gradients and hands every rank only its shard, as a `DTensor` in the
+parameter's `.grad`; the post-accumulate-grad hook fires on the sharded parameter after that reduce-scatter. So the
+accumulation buffer is sharded like the parameters: each rank holds one flat fp32 buffer of its *local* shards
+(1/world_size of the model), fills it from `grad.to_local()`, and at the window's end hands each parameter a
+`DTensor` whose local tensor is a view of that buffer.
+
+Item weighting across ranks needs the reduce-scatter to *sum* `n_k^r * grad(mean_loss_k^r)` over ranks `r`. FSDP2
+averages by default, and a rank's weight `n_k^r` cannot be applied after the reduction (it differs between ranks),
+so the accumulator (a) sets every FSDP module's gradient divide factor to 1.0 and (b) multiplies each rank's loss
+by its own `n_k^r` before backward. The window's items are then summed over ranks once per window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .buffers import FlatGradientBuffers
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a `torch.distributed.tensor.DTensor` (without importing it when it is not)."""
+    return type(tensor).__name__ == "DTensor" or any(c.__name__ == "DTensor" for c in type(tensor).__mro__)
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules `fully_shard` was applied to (FSDP2's `FSDPModule`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def prepare_fsdp2_for_summing(model: nn.Module) -> list[nn.Module]:
+    """
+    Make every FSDP2 module's reduce-scatter sum instead of average (gradient divide factor 1.0), so item weights
+    applied to each rank's loss survive the reduction. Returns the FSDP2 modules (empty for a model without any).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.sharded import prepare_fsdp2_for_summing
+    >>> prepare_fsdp2_for_summing(torch.nn.Linear(2, 2))
+    []
+    ```
+    """
+    modules = fsdp2_modules(model)
+    for module in modules:
+        module.set_gradient_divide_factor(1.0)
+        # Plain SUM collectives (a divide by 1.0 after them is exact): gloo has no PREMUL_SUM, and a sum needs none.
+        module.set_force_sum_reduction_for_comms(True)
+    return modules
+
+
+class ShardedGradientBuffers(FlatGradientBuffers):
+    """
+    [`FlatGradientBuffers`] over the *local shards* of `DTensor` parameters: each rank allocates only its shard of
+    the gradients (fp32 by default), and [`gradient_for`] returns a `DTensor` laid out like the parameter, whose
+    local tensor is the buffer view itself (no copy when the dtypes agree).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.sharded import ShardedGradientBuffers
+    >>> buffers = ShardedGradientBuffers(list(torch.nn.Linear(3, 2).parameters()), torch.float32)
+    >>> [tuple(v.shape) for v in buffers.views]  # plain tensors are their own shard
+    [(2, 3), (2,)]
+    ```
+    """
+
+    def __init__(self, parameters: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
+        self._params = list(parameters)
+        local = [p.to_local() if is_dtensor(p) else p for p in self._params]
+        super().__init__(local, dtype)
+
+    def fold(self, index: int, grad: torch.Tensor, alpha: float) -> None:
+        super().fold(index, grad.to_local() if is_dtensor(grad) else grad, alpha)
+
+    def gradient_for(self, index: int, param_dtype: torch.dtype) -> torch.Tensor:
+        local = super().gradient_for(index, param_dtype)
+        param = self._params[index]
+        if not is_dtensor(param):
+            return local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+    def all_finite_everywhere(self) -> bool:
+        """[`all_finite`] agreed over all ranks: a shard's inf on one rank skips the window on every rank."""
+        flag = torch.tensor([0.0 if self.all_finite() else 1.0], device=self.first_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag)
+        return float(flag.item()) == 0.0
+
+
+def agree_any(flag: bool, device: torch.device) -> bool:
+    """`flag` OR-ed over all ranks (one tiny all-reduce): FSDP2's backward is a collective, so a decision to skip or
+    redo a micro-batch must be the same on every rank, or the ranks' reduce-scatters no longer pair up."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t)
+    return float(t.item()) > 0
+
+
+def local_gradients(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rank-local tensors of the parameters' `.grad` (DTensor or plain), skipping `None`."""
+    return [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in parameters if p.grad is not None]
