@@ -38,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "GradAccumRewardConfig": ".adapters.trl_support",
     "effective_batch_size": ".helpers.lr_scaling",
     "lr_scaling_factor": ".helpers.lr_scaling",
+    "SplitInvarianceResult": ".verification",
+    "verify_split_invariance": ".verification",
     "recommended_warmup_steps": ".helpers.lr_scaling",
     "scale_learning_rate": ".helpers.lr_scaling",
     "BatchNormConversion": ".helpers.normalization",
@@ -66,6 +68,7 @@ __all__ = [
     "GradAccumSeq2SeqArguments",
     "GradAccumTrainer",
     "GradientAccumulator",
+    "SplitInvarianceResult",
     "WindowResult",
     "accumulation_bn_momentum",
     "apply_accumulation_bn_momentum",
@@ -80,6 +83,7 @@ __all__ = [
     "plan_accumulation",
     "recommended_warmup_steps",
     "scale_learning_rate",
+    "verify_split_invariance",
     "with_gradaccum_fields",
 ]
 
@@ -110,6 +114,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .engine.items import count_items, count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.window import WindowResult
+    from .verification import SplitInvarianceResult, verify_split_invariance
     from .helpers.lr_scaling import (
         effective_batch_size,
         lr_scaling_factor,
