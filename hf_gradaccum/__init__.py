@@ -114,7 +114,6 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .engine.items import count_items, count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.window import WindowResult
-    from .verification import SplitInvarianceResult, verify_split_invariance
     from .helpers.lr_scaling import (
         effective_batch_size,
         lr_scaling_factor,
@@ -131,3 +130,4 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         groupnorm_num_groups,
     )
     from .helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
+    from .verification import SplitInvarianceResult, verify_split_invariance

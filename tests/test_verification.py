@@ -244,7 +244,7 @@ def test_probe_leaves_weights_optimizer_buffers_rng_and_accumulator_untouched(g)
     model.train(), train_window(model, optimizer, acc)
     torch.manual_seed(1)
     twin.train(), train_window(twin, twin_opt, twin_acc)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True))
 
 
 # ------------------------------------------------------------------ tolerance and bad input

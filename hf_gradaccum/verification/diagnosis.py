@@ -71,7 +71,7 @@ def top_disagreements(
     """Parameters and modules (parameter name minus its last part) ranked by the norm of their gradient difference,
     each with its relative difference ||diff|| / ||reference||."""
     modules: dict[str, list[float]] = {}
-    for name, d, r in zip(names, diff_sq, ref_sq):
+    for name, d, r in zip(names, diff_sq, ref_sq, strict=True):
         entry = modules.setdefault(name.rsplit(".", 1)[0] if "." in name else name, [0.0, 0.0])
         entry[0] += d
         entry[1] += r
@@ -80,7 +80,7 @@ def top_disagreements(
         order = sorted(items, key=lambda item: item[1], reverse=True)[:k]
         return [(n, (d**0.5) / (r**0.5) if r > 0 else float("inf")) for n, d, r in order if d > 0]
 
-    params = ranked(list(zip(names, diff_sq, ref_sq)))
+    params = ranked(list(zip(names, diff_sq, ref_sq, strict=True)))
     mods = ranked([(n, d, r) for n, (d, r) in modules.items()])
     return params, mods
 
@@ -173,7 +173,7 @@ def denominator_cause(
         counts = [float(counter(h)) for h in halves]
         if sum(counts) <= 0:
             continue
-        predicted = sum(c * loss for c, loss in zip(counts, parts)) / sum(counts)
+        predicted = sum(c * loss for c, loss in zip(counts, parts, strict=True)) / sum(counts)
         errors[name] = abs(predicted - whole) / max(abs(whole), 1e-30)
     threshold = max(rtol, 1e-5)
     if errors.get("count_items", 0.0) <= threshold:

@@ -71,14 +71,14 @@ def accumulated_gradient(
         raise ValueError(f"`count_items` found no items in the window (counts {counts}): nothing to compare.")
     device = params[0].device
     grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-    for mb, n in zip(micro_batches, counts):
+    for mb, n in zip(micro_batches, counts, strict=True):
         if n == 0:
             continue
         loss = loss_fn(model, to_device(mb, device))
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError(f"`loss_fn` must return a scalar tensor, got {type(loss).__name__}.")
         parts = torch.autograd.grad(loss, params, allow_unused=True)
-        for acc, g in zip(grads, parts):
+        for acc, g in zip(grads, parts, strict=True):
             if g is not None:
                 acc.add_(g.float(), alpha=n / total)
     return grads

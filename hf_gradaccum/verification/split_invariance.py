@@ -9,6 +9,7 @@ b (the window as given) and for 2N of b/2 (and one batch of N*b when asked), and
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -206,7 +207,7 @@ def verify_split_invariance(
     if num_batches is not None:
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
             raise ValueError(f"`num_batches` must be an integer >= 1, got {num_batches!r}.")
-        batches = [b for _, b in zip(range(num_batches), batches)]
+        batches = list(itertools.islice(batches, num_batches))
     batches = list(batches)
     if rtol is not None and not (isinstance(rtol, (int, float)) and rtol > 0):
         raise ValueError(f"`rtol` must be a positive number, got {rtol!r}.")
@@ -233,7 +234,7 @@ def verify_split_invariance(
             if name == "window":
                 continue
             grads = accumulated_gradient(model, params, cut(rows, split_sizes), loss_fn, count_items)
-            diff_sq = [float((g - r).pow(2).sum()) for g, r in zip(grads, reference)]
+            diff_sq = [float((g - r).pow(2).sum()) for g, r in zip(grads, reference, strict=True)]
             rel_diffs[name] = sum(diff_sq) ** 0.5 / ref_norm
             if worst is None or rel_diffs[name] >= max(rel_diffs.values()):
                 worst = (diff_sq, ref_sq)
@@ -276,7 +277,7 @@ def _diagnose(model, params, names, rows, plan, loss_fn, count_items, reference,
             causes.append(mismatch)
     if not causes:
         again = accumulated_gradient(model, params, cut(rows, plan["window"]), loss_fn, count_items)
-        num = sum(float((a - r).pow(2).sum()) for a, r in zip(again, reference)) ** 0.5
+        num = sum(float((a - r).pow(2).sum()) for a, r in zip(again, reference, strict=True)) ** 0.5
         den = sum(float(r.pow(2).sum()) for r in reference) ** 0.5
         if num / den > tolerance / 10:
             causes.append(nondeterminism_cause(num / den))
