@@ -161,10 +161,12 @@ def _load_model(args: argparse.Namespace):
         "causal-lm": tf.AutoModelForCausalLM,
         "masked-lm": tf.AutoModelForMaskedLM,
     }[args.task]
-    kwargs = {"num_labels": args.num_labels} if args.task in ("seq-cls", "token-cls") else {}
-    if args.task == "causal-lm":
-        kwargs["is_decoder"] = True  # lets encoder checkpoints (BERT) load as a causal LM; ignored by decoders
-    return auto.from_pretrained(path, **kwargs), tf.AutoTokenizer.from_pretrained(path)
+    config = tf.AutoConfig.from_pretrained(path)
+    if args.task in ("seq-cls", "token-cls"):
+        config.num_labels = args.num_labels
+    if args.task == "causal-lm" and "is_decoder" in config.to_dict():
+        config.is_decoder = True  # an encoder checkpoint (BERT) used as a causal LM must attend causally
+    return auto.from_pretrained(path, config=config), tf.AutoTokenizer.from_pretrained(path)
 
 
 def verify(args: argparse.Namespace) -> int:
