@@ -28,8 +28,9 @@ from .windows import take_rows
 
 NORMALIZATION_FIX = (
     "replace them with GroupNorm (`hf_gradaccum.helpers.normalization.convert_batchnorm_to_groupnorm(model)`, exact) "
-    "or freeze them (`freeze_batchnorm(model)`: fixed running statistics, exact), or accept the deviation and "
-    "keep the running statistics per optimizer step with `batchnorm_momentum_correction=True`."
+    "or freeze them (`freeze_batchnorm(model)`: fixed running statistics, exact), or accept that the gradient "
+    "differs from the large batch's (`batchnorm_momentum_correction=True` then at least keeps the running "
+    "statistics' decay per optimizer step)."
 )
 
 
