@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--batchnorm", choices=NORMALIZATION_CHOICES, default="keep",
         help="keep BatchNorm layers, or check the model with them converted to GroupNorm / frozen.",
     )  # fmt: skip
+    v.add_argument(
+        "--count_shifted_labels", choices=("auto", "true", "false"), default="auto",
+        help="causal-lm: count labels[..., 1:] (true), all labels (false), or decide from the model (auto).",
+    )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="Seed of the sample choice and of new heads.")
     v.add_argument("--json", default=None, help="Also write the result as JSON to this file.")
     return parser
@@ -183,7 +187,10 @@ def verify(args: argparse.Namespace) -> int:
         model = freeze_batchnorm(model)
     window = _image_window(args, model) if args.task == "image-cls" else _text_window(args, model, tokenizer)
     loaded = time.perf_counter() - start
-    shift = bool(loss_shifts_labels(model)) if args.task == "causal-lm" else False
+    if args.count_shifted_labels == "auto":
+        shift = bool(loss_shifts_labels(model)) if args.task == "causal-lm" else False
+    else:
+        shift = args.count_shifted_labels == "true"
     result = verify_split_invariance(model, window, shift_labels=shift, include_full_batch=args.full_batch)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model: {type(model).__name__} ({params / 1e6:.1f}M trainable parameters), task {args.task}")
