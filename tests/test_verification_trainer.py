@@ -89,3 +89,15 @@ def test_two_gloo_ranks_agree_on_the_verdict(tmp_path):
     assert not records[0]["passed"] and not records[1]["passed"]
     assert records[0]["max_rel_diff"] == records[1]["max_rel_diff"] > 1e-3
     assert not json.loads((tmp_path / "accumulation_check.json").read_text())["passed"]
+
+
+def test_bf16_autocast_check_uses_the_bf16_tolerance(tmp_path):
+    torch.manual_seed(0)
+    args = GradAccumArguments(str(tmp_path), verify_accumulation="first_step", bf16=True, **TRAIN)
+    model = BertForSequenceClassification(tiny_bert_config(num_labels=3))
+    trainer = GradAccumTrainer(model=model, args=args, train_dataset=seq_cls_data(32, torch.Generator()))
+    trainer.train()
+    record = json.loads((tmp_path / "accumulation_check.json").read_text())
+    assert record["tolerance"] == 4 * torch.finfo(torch.bfloat16).eps
+    assert record["tolerance_rule"] == "bfloat16 computation"
+    assert record["passed"], record["max_rel_diff"]
