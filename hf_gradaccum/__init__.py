@@ -38,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "GradAccumRewardConfig": ".adapters.trl_support",
     "effective_batch_size": ".helpers.lr_scaling",
     "lr_scaling_factor": ".helpers.lr_scaling",
+    "SplitInvarianceResult": ".verification",
+    "verify_split_invariance": ".verification",
     "recommended_warmup_steps": ".helpers.lr_scaling",
     "scale_learning_rate": ".helpers.lr_scaling",
     "BatchNormConversion": ".helpers.normalization",
@@ -66,6 +68,7 @@ __all__ = [
     "GradAccumSeq2SeqArguments",
     "GradAccumTrainer",
     "GradientAccumulator",
+    "SplitInvarianceResult",
     "WindowResult",
     "accumulation_bn_momentum",
     "apply_accumulation_bn_momentum",
@@ -80,6 +83,7 @@ __all__ = [
     "plan_accumulation",
     "recommended_warmup_steps",
     "scale_learning_rate",
+    "verify_split_invariance",
     "with_gradaccum_fields",
 ]
 
@@ -126,3 +130,4 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         groupnorm_num_groups,
     )
     from .helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
+    from .verification import SplitInvarianceResult, verify_split_invariance

@@ -60,6 +60,7 @@ from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
 from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
 from hf_gradaccum.harness.loading import load_with_new_head
 from hf_gradaccum.harness.metrics import metric_path
+from hf_gradaccum.harness.verification_report import add_verification_to_report, with_verification
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"
@@ -306,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Fine-tuning {recipe_args.model_name_or_path or 'MiniLM-L6 (offline)'} on {data.description}: "
         f"{len(data.train):,} train / {len(data.eval):,} eval sentences; arms: {', '.join(parity_args.arms)}"
     )
+    # Every arm proves split invariance on its first window; the verdicts go into the report (`accumulation_check`).
+    argv = with_verification(argv, training_args)
     results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
 
     labels = data.eval["label"]
@@ -322,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         "majority_class_accuracy": max(np.bincount(labels)) / len(labels),
         "total_wall_time_s": time.perf_counter() - start,
     }
-    return report_parity_run(
+    status = report_parity_run(
         results, specs, metadata=metadata, parity_args=parity_args, output_dir=output_dir, saved_arm=SAVED_ARM
     )
+    add_verification_to_report(output_dir, specs)
+    return status
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from hf_gradaccum.harness.arms import (
 from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
 from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
 from hf_gradaccum.harness.metrics import metric_path
+from hf_gradaccum.harness.verification_report import add_verification_to_report, with_verification
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"
@@ -370,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(data.train_labels):,} train / {len(data.eval_labels):,} eval images at {recipe_args.image_size}px; "
         f"arms: {', '.join(parity_args.arms)}"
     )
+    # Every arm proves split invariance on its first window; the verdicts go into the report (`accumulation_check`).
+    argv = with_verification(argv, training_args)
     results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
 
     model_name = recipe_args.model_name_or_path or (
@@ -388,9 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         "majority_class_accuracy": float(torch.bincount(data.eval_labels).max()) / len(data.eval_labels),
         "total_wall_time_s": time.perf_counter() - start,
     }
-    return report_parity_run(
+    status = report_parity_run(
         results, specs, metadata=metadata, parity_args=parity_args, output_dir=output_dir, saved_arm=SAVED_ARM
     )
+    add_verification_to_report(output_dir, specs)
+    return status
 
 
 if __name__ == "__main__":

@@ -144,6 +144,20 @@ def test_resnet_tiny_groupnorm_is_exact_and_batchnorm_is_not(resnet_run):
     assert arms["accumulated"]["train_loss"][0] != pytest.approx(arms["reference"]["train_loss"][0], abs=1e-4)
 
 
+def test_split_invariance_check_predicts_the_arms(bert_run, resnet_run):
+    """Issue 10: every arm checks its first window before training; the verdicts are in the report."""
+    bert = load_parity_report(bert_run[0] / "parity_report.json")["accumulation_check"]
+    assert set(bert) == {"reference", "accumulated", "small_batch"}
+    assert all(v["passed"] and v["max_rel_diff"] <= 1e-5 for v in bert.values()), bert
+    resnet = load_parity_report(resnet_run[0] / "parity_report.json")["accumulation_check"]
+    for name in ("reference_groupnorm", "accumulated_groupnorm"):
+        assert resnet[name]["passed"], resnet[name]
+    # The BatchNorm arms are flagged, with the cause, before they train and miss the reference.
+    for name in ("reference", "accumulated", "small_batch", "accumulated_momentum"):
+        assert not resnet[name]["passed"] and resnet[name]["causes"] == ["batchnorm"], resnet[name]
+    assert "Split-invariance check" in (resnet_run[0] / "parity_report.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------------------- slow
 def _write_csv_dataset(folder: Path, rows: int) -> None:
     """A `datasets` folder with train/validation CSVs under other column names: the Hub code path, offline."""

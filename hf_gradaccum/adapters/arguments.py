@@ -15,6 +15,7 @@ from ..engine.loss_scaling import validate_loss_scaling
 from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
+VERIFY_MODES = ("off", "first_step", "every_n_steps")
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,23 @@ class GradAccumFields:
             "model, seen through PEFT/compile/DDP wrappers; set True/False for a model that cannot be recognised."
         },
     )
+    verify_accumulation: str = field(
+        default="off",
+        metadata={
+            "help": "Prove on the real training data that accumulation is exact for this model, loss and item "
+            "counting (split invariance: the window's gradient for N micro-batches of b vs 2N of b/2). 'first_step': "
+            "on the first window; 'every_n_steps': every `verify_every_n_steps` optimizer steps; 'off'. The verdict "
+            "is logged (`accumulator/verify_rel_diff`) and written to `output_dir/accumulation_check.json`.",
+            "choices": list(VERIFY_MODES),
+        },
+    )
+    verify_every_n_steps: int = field(
+        default=500, metadata={"help": "With `verify_accumulation='every_n_steps'`: optimizer steps between checks."}
+    )
+    verify_raise: bool = field(
+        default=False,
+        metadata={"help": "Raise (instead of warning) when the check finds accumulation not exact for this model."},
+    )
 
     def __post_init__(self) -> None:
         validate_gradaccum_fields(self)
@@ -175,6 +193,12 @@ def validate_gradaccum_fields(args: Any) -> None:
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
+    mode = gradaccum_option(args, "verify_accumulation")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")
+    every = gradaccum_option(args, "verify_every_n_steps")
+    if mode == "every_n_steps":
+        validate_accumulation_steps(every, "verify_every_n_steps")
     reference = gradaccum_option(args, "reference_batch_size")
     if rule != "none" and (isinstance(reference, bool) or not isinstance(reference, int) or reference < 1):
         raise ValueError(

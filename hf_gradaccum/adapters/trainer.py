@@ -40,6 +40,7 @@ from ..engine.oom import is_out_of_memory, release_cached_memory, split_micro_ba
 from ..helpers.lr_scaling import recommended_warmup_steps, scale_learning_rate
 from ..helpers.normalization import apply_accumulation_bn_momentum
 from ..helpers.planning import AccumulationPlan
+from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .model_inspection import loss_shifts_labels
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
@@ -255,8 +256,15 @@ class GradAccumTrainer(Trainer):
             self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
         except (ValueError, TypeError, AttributeError):
             self._window_items_local = None
+        if batch_samples and should_verify(self):
+            self.verify_accumulation(batch_samples)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
         return batch_samples, None
+
+    def verify_accumulation(self, batches: list[dict[str, Any]]):
+        """Split-invariance check of accumulation on `batches` (`verify_accumulation` option); see
+        [`~hf_gradaccum.verification.verify_split_invariance`]. Returns its result (`None` if the window is too small)."""
+        return check_trainer_window(self, batches)
 
     # ------------------------------------------------------------------ the micro-step
     def training_step(

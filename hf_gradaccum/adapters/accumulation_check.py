@@ -1,0 +1,106 @@
+"""`verify_accumulation` in `GradAccumTrainer`: the split-invariance check on a real training window.
+
+Runs on the window the Trainer has just prefetched, with the trainer's own `compute_loss` (so a composed TRL/Seq2Seq
+trainer's loss is what is checked) and its `count_micro_batch_items`. Under DDP each rank checks its own window on
+the unwrapped model (no DDP reducer involved), and the largest relative difference is all-reduced so that every rank
+reaches the same verdict and none of them stops alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..verification import SplitInvarianceResult, verify_split_invariance
+from .arguments import gradaccum_option
+
+CHECK_FILE_NAME = "accumulation_check.json"
+logger = logging.getLogger(__name__)
+
+
+class AccumulationNotExactError(RuntimeError):
+    """Raised with `verify_raise=True` when accumulation is not exact for the model being trained."""
+
+
+def should_verify(trainer: Any) -> bool:
+    """Whether the window about to be trained is checked, from `verify_accumulation` and the global step."""
+    mode = gradaccum_option(trainer.args, "verify_accumulation")
+    if mode == "first_step":
+        return not getattr(trainer, "_accumulation_verified", False)
+    if mode == "every_n_steps":
+        every = gradaccum_option(trainer.args, "verify_every_n_steps")
+        return trainer.state.global_step % every == 0 and getattr(trainer, "_verified_at", None) != (
+            trainer.state.global_step
+        )
+    return False
+
+
+def _autocast_dtype(args: Any) -> torch.dtype | None:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def check_trainer_window(trainer: Any, batches: list[dict[str, Any]]) -> SplitInvarianceResult | None:
+    """
+    Run the check on `batches` (one window) for `trainer`; log, write the JSON, warn or raise. Returns the local
+    result with the global verdict (`passed`, `max_rel_diff` all-reduced over ranks), or `None` if the window could
+    not be checked (too small; the reason is logged).
+    """
+    trainer._accumulation_verified = True
+    trainer._verified_at = trainer.state.global_step
+    # `trainer.model` is the module under DDP (shared parameters): no reducer sees the probe.
+    model = trainer.model
+
+    def loss_fn(module: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        with trainer.compute_loss_context_manager():
+            return trainer.compute_loss(module, batch)
+
+    result, error = None, None
+    try:
+        prepared = [trainer._prepare_inputs(b) for b in batches]
+        result = verify_split_invariance(
+            model,
+            prepared,
+            loss_fn=loss_fn,
+            count_items=trainer.count_micro_batch_items,
+            dtype=_autocast_dtype(trainer.args),
+        )
+    except (ValueError, TypeError) as e:  # a window that cannot be split: report, do not stop training
+        error = e
+    # [max relative difference, any rank could not check]: MAX over ranks, so all ranks agree.
+    local = torch.tensor(
+        [result.max_rel_diff if result else 0.0, 1.0 if error else 0.0],
+        dtype=torch.float64,
+        device=trainer.args.device,
+    )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    global_max, any_error = float(local[0]), bool(local[1])
+    if any_error:
+        logger.warning("verify_accumulation: the window could not be checked on every rank (%s); skipped.", error)
+        return None
+    result.max_rel_diff = global_max
+    result.passed = global_max <= result.tolerance
+    trainer.log({"accumulator/verify_rel_diff": global_max})
+    record = {"global_step": trainer.state.global_step, "world_size": trainer.args.world_size, **result.to_dict()}
+    if trainer.is_world_process_zero():
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+        with open(os.path.join(trainer.args.output_dir, CHECK_FILE_NAME), "w") as f:
+            json.dump(record, f, indent=2)
+    if result.passed:
+        logger.info("verify_accumulation: %s", result.summary())
+        return result
+    message = (
+        "Gradient accumulation is NOT exact for this model: the same window split differently gives a different "
+        f"gradient, so training differs from the large batch.\n{result.summary()}"
+    )
+    if result.diagnosis is None:
+        message += "\n(this rank's window passed; another rank's did not, see its log)"
+    if gradaccum_option(trainer.args, "verify_raise"):
+        raise AccumulationNotExactError(message)
+    logger.warning(message)
+    return result
