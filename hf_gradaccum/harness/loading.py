@@ -18,6 +18,10 @@ from transformers.utils import logging as hf_logging
 _MODELING_LOGGER = "transformers.modeling_utils"
 
 
+def _drop_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in record.getMessage()
+
+
 def load_with_new_head(
     from_pretrained: Callable[..., Any],
     path: str,
@@ -39,12 +43,13 @@ def load_with_new_head(
     ```
     """
     logger = hf_logging.get_logger(_MODELING_LOGGER)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    # A filter for the report only, not a higher logger level: transformers 5.23 runs its tensor-parallel plan check
+    # (and warns "layers were not sharded") exactly when this logger's level is WARNING or above.
+    logger.addFilter(_drop_load_report)
     try:
         model, info = from_pretrained(path, output_loading_info=True, **kwargs)
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(_drop_load_report)
     missing = sorted(info.get("missing_keys", ()))
     head = [key for key in missing if key.startswith(tuple(head_prefixes))]
     other_problems = [key for key in missing if key not in head]
