@@ -247,7 +247,15 @@ def relative_update_error(before: torch.nn.Module, after: torch.nn.Module, refer
 
 
 def train_with(
-    trainer_cls: type[Trainer], case: ParityCase, model, data, micro: int, steps: int, output_dir: str, args_cls=None
+    trainer_cls: type[Trainer],
+    case: ParityCase,
+    model,
+    data,
+    micro: int,
+    steps: int,
+    output_dir: str,
+    args_cls=None,
+    use_cpu: bool = True,
 ):
     """Train one epoch with `trainer_cls` (SGD lr=1, no clipping, sequential order); return the trained model."""
     from hf_gradaccum import GradAccumArguments
@@ -269,7 +277,7 @@ def train_with(
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
-        use_cpu=True,
+        use_cpu=use_cpu,
         disable_tqdm=True,
         dataloader_drop_last=False,
         seed=0,

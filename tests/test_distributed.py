@@ -40,12 +40,29 @@ def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
         assert record["err"] <= ddp_workers.RTOL
 
 
-def test_trainer_fsdp_is_refused_and_plain_fsdp2_accepted(tmp_path):
+def test_trainer_fsdp1_is_refused_and_plain_fsdp2_accepted(tmp_path):
     launch("sharded_engines_refused", str(tmp_path))
     for r in (0, 1):
         messages = json.loads((tmp_path / f"refused_rank{r}.json").read_text())
-        assert "FSDP" in messages["trainer"] and "DDP" in messages["trainer"]
+        assert "FSDP2 only" in messages["fsdp1"] and "fsdp_version: 2" in messages["fsdp1"]
+        assert messages["cpu_fsdp_enabled"] is False  # Accelerate shards only on GPU-type devices: DDP, warned
         assert "plain" not in messages and messages["plain_sharded"] is True
+        assert "did not shard" in messages["partly_sharded"] and "classifier.weight" in messages["partly_sharded"]
+
+
+def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(tmp_path):
+    """GradAccumTrainer with Accelerate's FSDP2 plugin (fully_shard by Accelerate, gloo): the update equals the large
+    batch with and without clipping on the global norm, and a resume from the sharded step-1 checkpoint ends bitwise
+    equal to the uninterrupted run."""
+    launch("trainer_fsdp2", "bert_token_cls", str(tmp_path))
+    records = [json.loads((tmp_path / f"fsdp2_trainer_rank{r}.json").read_text()) for r in (0, 1)]
+    print("GradAccumTrainer FSDP2:", records[0])
+    for record in records:
+        assert record["err_plain"] <= ddp_workers.RTOL, record
+        assert record["err_clipped"] <= ddp_workers.RTOL, record
+        assert all(norm > 0.05 for norm in record["grad_norms"]), record  # clipping was active
+        assert record["resume_bitwise"] is True
+    assert records[0]["grad_norms"] == records[1]["grad_norms"]  # the global norm, not each rank's shard
 
 
 def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):

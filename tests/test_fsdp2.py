@@ -65,3 +65,29 @@ def test_fsdp2_bf16_params_fp32_reduce_stay_at_one_pass_floor(tmp_path):
     spawn("fsdp2_mixed", 2, out)
     record = json.loads(out.read_text())
     assert record["accumulated_error"] <= 1.25 * record["one_pass_error"], record
+
+
+def test_trainer_raises_accelerates_bf16_reduce_dtype_to_fp32(caplog):
+    """Accelerate builds `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)` from `mixed_precision: bf16`;
+    GradAccumTrainer's set-up raises only the reduction to fp32, before the model is sharded."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_gradaccum.adapters.sharding import _reduce_in_fp32
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16
+    with caplog.at_level("WARNING"):
+        _reduce_in_fp32(plugin)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.bfloat16,
+    )
+    assert "reduce_dtype torch.bfloat16 -> torch.float32" in caplog.text
+    fp32 = FullyShardedDataParallelPlugin(fsdp_version=2)
+    fp32.set_mixed_precision("fp32")
+    _reduce_in_fp32(fp32)
+    assert fp32.mixed_precision_policy.reduce_dtype == torch.float32

@@ -15,14 +15,15 @@ CASE_BY_NAME = {c.name: c for c in CASES}
 
 
 # ----------------------------------------------------------------------------- bf16 precision
-def _bf16_gradient_errors(num_micro: int, seed: int):
+def _bf16_gradient_errors(num_micro: int, seed: int, device: str = "cpu"):
     """Relative gradient error vs an fp64 reference of: one bf16 pass over the window, stock-style accumulation in
     the bf16 `.grad`, and the accumulator (fp32 buffers). bf16 parameters, micro-batches of 2."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model64 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).double()
-    x = torch.randn(num_micro * 2, 32, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 8, (num_micro * 2,), generator=g)
+    model64 = model64.to(device)
+    x = torch.randn(num_micro * 2, 32, generator=g, dtype=torch.float64).to(device)
+    y = torch.randint(0, 8, (num_micro * 2,), generator=g).to(device)
     F.cross_entropy(model64(x), y).backward()
     reference = torch.cat([p.grad.flatten() for p in model64.parameters()])
 

@@ -43,6 +43,7 @@ from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .model_inspection import loss_shifts_labels
+from .sharding import check_trainer_engine
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
@@ -113,22 +114,7 @@ class GradAccumTrainer(Trainer):
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
         refuse_batch_level_losses(self)
-        wants_deepspeed = self.is_deepspeed_enabled or bool(getattr(self.args, "deepspeed", None))
-        if wants_deepspeed or self.is_fsdp_enabled or bool(getattr(self.args, "fsdp", None)):
-            engine = "DeepSpeed" if wants_deepspeed else "FSDP"
-            raise ValueError(
-                f"GradAccumTrainer does not support {engine}: the engine accumulates and reduces gradients itself, "
-                "so this project's buffers and item weighting would be bypassed. Use DDP (`accelerate launch` "
-                f"without a {engine} config) with GradAccumTrainer, or the stock Trainer with {engine}'s own "
-                "accumulation."
-                + (
-                    " For FSDP2, `GradientAccumulator` in a plain loop (model wrapped with "
-                    "`torch.distributed.fsdp.fully_shard`) accumulates sharded fp32 gradients exactly; the Trainer "
-                    "path with Accelerate's FSDP2 plugin is not supported yet (see docs/fsdp2.md)."
-                    if not wants_deepspeed
-                    else ""
-                )
-            )
+        check_trainer_engine(self)
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
         # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that
         # count (`average_tokens_across_devices`) would be applied twice (the accumulator already counts items across
@@ -282,12 +268,17 @@ class GradAccumTrainer(Trainer):
         accumulator = self._get_accumulator(model)
         micro_index = self._micro_index
         self._micro_index += 1
+        out_of_memory = False
         try:
             loss, num_items = self._accumulate(model, accumulator, inputs)
         except Exception as error:
             if not (self._oom_proof and is_out_of_memory(error)):
                 raise
-            loss, num_items = self._recover_from_oom(model, accumulator, inputs, micro_index, error)
+            out_of_memory = True
+        if out_of_memory:
+            # Recover only after the `except` block has ended: until then `error`'s traceback keeps the failed
+            # attempt's activations alive, and the smaller retry would run out of memory too (seen on a GPU).
+            loss, num_items = self._recover_from_oom(model, accumulator, inputs, micro_index)
 
         if self.accelerator.sync_gradients:
             self.on_window_end(accumulator.finish_window())
@@ -377,9 +368,8 @@ class GradAccumTrainer(Trainer):
             )
         return result[0]
 
-    def _recover_from_oom(self, model, accumulator, inputs, micro_index: int, error: BaseException):
+    def _recover_from_oom(self, model, accumulator, inputs, micro_index: int):
         """Shrink the micro-batch until it fits and redo the window up to (and including) this micro-batch."""
-        del error  # its traceback holds the failed attempt's activations
         while True:
             accumulator.discard_window()
             release_cached_memory()
@@ -493,6 +483,9 @@ class GradAccumTrainer(Trainer):
                 "effective_batch_size": self._effective_batch_size(),
                 "micro_batch_chunk_size": self.micro_batch_chunk_size,
             }
+            # Under FSDP2 with sharded state dicts, `save_model` writes nothing itself (Accelerate's DCP files come
+            # later, with the optimizer), so the directory may not exist yet.
+            os.makedirs(output_dir, exist_ok=True)
             tmp = os.path.join(output_dir, ACCUMULATOR_STATE_NAME + ".tmp")
             torch.save(state, tmp)
             os.replace(tmp, os.path.join(output_dir, ACCUMULATOR_STATE_NAME))  # never a half-written file

@@ -75,6 +75,24 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
         )
 
 
+def refuse_unsharded_trainable_parameters(model: nn.Module, parameters: list[nn.Parameter]) -> None:
+    """
+    Under FSDP2 only the `DTensor` parameters are reduce-scattered; a plain trainable tensor next to them (e.g. a PEFT
+    adapter attached after `fully_shard`) would be trained on each rank's own data alone. Refuse it, by name.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    plain = {id(p) for p in parameters if not is_dtensor(p)}
+    if plain:
+        names = [name for name, p in model.named_parameters() if id(p) in plain]
+        raise ValueError(
+            f"FSDP2 model with trainable parameters that `fully_shard` did not shard: {names[:5]}"
+            f"{' ...' if len(names) > 5 else ''}. Their gradients would not be reduced across ranks. Apply "
+            "`fully_shard` after adding them (e.g. after attaching PEFT adapters), or freeze them."
+        )
+
+
 class GradientAccumulator:
     """
     Accumulates gradients over `gradient_accumulation_steps` micro-batches in explicit buffers, so that one optimizer
@@ -154,8 +172,9 @@ class GradientAccumulator:
         # reduce-scatter sums (divide factor 1.0, set by `refuse_sharded_engines`) and each rank's loss carries
         # its own item weight, since weights differ between ranks and cannot be applied after the reduction.
         self.sharded = any(is_dtensor(p) for p in self.parameters)
-        if self.sharded and isinstance(model, nn.Module):
-            prepare_fsdp2_for_summing(model)
+        self._fsdp_modules = prepare_fsdp2_for_summing(model) if self.sharded and isinstance(model, nn.Module) else []
+        if self.sharded:
+            refuse_unsharded_trainable_parameters(model, self.parameters)
         buffer_class = ShardedGradientBuffers if self.sharded else FlatGradientBuffers
         self.buffers = buffer_class(self.parameters, self.accumulation_dtype)
 
@@ -230,15 +249,16 @@ class GradientAccumulator:
             num_items (`int`, *optional*): items the mean divides by (see [`count_items`]). `None` weights every
                 micro-batch equally, which is only exact when they all hold the same number of items.
 
-        A micro-batch with zero items contributes nothing (its mean is 0/0). A non-finite loss is not back-propagated
+        A micro-batch with zero items contributes nothing (its mean is 0/0). Under FSDP2 it still runs a backward
+        with weight 0, because every rank must join each micro-batch's reduce-scatter. A non-finite loss is not back-propagated
         at all; the window it belongs to is skipped at [`finish_window`]. Under fp16 loss scaling this method cannot
         re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`] for `"recompute"`.
         """
         n = self._begin_micro_batch(num_items)
-        if n == 0:
+        if n == 0 and not self.sharded:
             return
         self._window.record_loss(loss, n)
-        if self._agree(not bool(torch.isfinite(loss.detach()).all())):
+        if self._loss_non_finite(loss, n):
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             self._window.overflowed = True
             return
@@ -261,7 +281,7 @@ class GradientAccumulator:
             return loss.detach()
 
         n = self._begin_micro_batch(num_items)
-        if n == 0:
+        if n == 0 and not self.sharded:
             return compute_loss().detach()
         return accumulate_with_recompute(self, compute_loss, n)
 
@@ -280,6 +300,11 @@ class GradientAccumulator:
         return n
 
     def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
+        for module in self._fsdp_modules:
+            # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync` (the
+            # Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own reduce
+            # dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch fp16 check.
+            module.set_requires_gradient_sync(True, recurse=False)
         scale = self.current_scale
         # Sharded: the weight goes into the loss, before the reduce-scatter sums the ranks' gradients.
         loss_factor, self._fold_alpha = (scale * n, 1.0 / scale) if self.sharded else (scale, n / scale)
@@ -296,6 +321,11 @@ class GradientAccumulator:
             return self._agree(gradients_overflowed(self.parameters))
         finally:
             self._defer_fold = False
+
+    def _loss_non_finite(self, loss: torch.Tensor, n: float) -> bool:
+        """Whether the micro-batch's loss is inf/NaN (on any rank, when sharded). A zero-item micro-batch's loss is
+        0/0 by construction and weighs nothing, so it never counts as non-finite."""
+        return self._agree(n > 0 and not bool(torch.isfinite(loss.detach()).all()))
 
     def _agree(self, flag: bool) -> bool:
         """Sharded (FSDP2): the flag OR-ed over ranks, so every rank skips or redoes the same micro-batch (its

@@ -44,7 +44,7 @@ def accumulate_with_recompute(
     window, scaler = accumulator._window, accumulator.loss_scaler
     for attempt in range(accumulator.max_recompute_attempts + 1):
         loss = compute_loss()
-        if accumulator._agree(not bool(torch.isfinite(loss.detach()).all())):
+        if accumulator._loss_non_finite(loss, num_items):
             # The unscaled loss itself is inf/NaN: no scale can fix that.
             window.record_loss(loss, num_items)
             window.overflowed = True

@@ -49,6 +49,8 @@ class WindowState:
         self.touched = [False] * self.num_parameters
 
     def record_loss(self, loss: torch.Tensor, num_items: float) -> None:
+        if num_items == 0:
+            return  # a mean over no items is 0/0 (NaN) and weighs nothing
         self.loss_sum += loss.detach().to(torch.float64) * num_items
 
     def state_dict(self) -> dict[str, Any]:

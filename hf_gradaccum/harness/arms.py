@@ -416,9 +416,11 @@ def apply_memory_limit(max_memory_mb: float | None, device: torch.device) -> str
     if max_memory_mb is None:
         return "no memory limit"
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
+        # `torch.device("cuda")` names no index, which `set_per_process_memory_fraction` refuses: use the current one.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
         fraction = min(1.0, max_memory_mb * 2**20 / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
         return f"CUDA allocator capped at {max_memory_mb:.0f} MiB ({fraction:.1%} of {total / 2**20:.0f} MiB)"
     return f"{device.type}: memory is measured (peak RSS) and compared with the {max_memory_mb:.0f} MiB limit"
 

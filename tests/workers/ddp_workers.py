@@ -13,6 +13,7 @@ from accelerate.state import AcceleratorState
 from transformers import default_data_collator
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator, count_items_in_batch
+from tests.multiprocess import ROOT
 from tests.parity_cases import CASES, large_batch_reference, relative_update_error
 
 CASE_BY_NAME = {c.name: c for c in CASES}
@@ -193,21 +194,162 @@ def fp16_overflow_consistency(policy: str, inject: str, out_dir: str) -> None:
         json.dump(record, f)
 
 
+def fsdp2_config_plugin_kwargs() -> dict:
+    """The `fsdp_config` of configs/accelerate/fsdp2.yaml as `FullyShardedDataParallelPlugin` arguments (what
+    `accelerate launch` passes through its environment), so the CPU tests shard the way the shipped config does."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs" / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]
+    renamed = {"transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap", "offload_params": "cpu_offload"}
+    kwargs = {renamed.get(k.removeprefix("fsdp_"), k.removeprefix("fsdp_")): v for k, v in config.items()}
+    kwargs.pop("version")
+    return kwargs
+
+
+def use_accelerate_fsdp_on_cpu(fsdp_version: int) -> None:
+    """
+    Accelerate 1.15 sets FSDP up only for GPU-type devices: on CPU processes it keeps `MULTI_CPU` and drops the
+    plugin. This flips that one gate in the live Accelerate state (call it after the arguments resolved their
+    device); everything after it is Accelerate's and the Trainer's real FSDP code: `fsdp2_prepare_model`
+    (`fully_shard` on gloo), FSDP2 clipping, and sharded (torch.distributed.checkpoint) checkpoints.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    Accelerator(cpu=True)
+    kwargs = fsdp2_config_plugin_kwargs() if fsdp_version == 2 else {}
+    plugin = FullyShardedDataParallelPlugin(**kwargs, fsdp_version=fsdp_version)
+    AcceleratorState().distributed_type = DistributedType.FSDP
+    AcceleratorState().fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def fsdp_trainer_args(out_dir: str, **overrides) -> GradAccumArguments:
+    args = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        num_train_epochs=1,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    args = GradAccumArguments(**{**args, **overrides})
+    _ = args.device  # resolves Accelerate's state before the FSDP gate is flipped
+    return args
+
+
+def full_weights(model: torch.nn.Module, like: torch.nn.Module) -> torch.nn.Module:
+    """An unsharded copy of `like` holding `model`'s (possibly FSDP2-sharded) weights."""
+    state = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
+    full = copy.deepcopy(like)
+    full.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()})
+    return full
+
+
+def clipped_large_batch_reference(case, model, data, windows, max_norm: float) -> torch.nn.Module:
+    """`large_batch_reference` with the large batch's gradient clipped to `max_norm` before each SGD step (lr=1)."""
+    model = copy.deepcopy(model)
+    model.train()
+    for window in windows:
+        model.zero_grad()
+        model(**default_data_collator([data[i] for i in window])).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= p.grad
+    return model
+
+
+def trainer_fsdp2(case_name: str, out_dir: str) -> None:
+    """GradAccumTrainer under Accelerate's FSDP2 plugin: parity with the large batch (windows of 3 micro-batches of 2
+    rows per rank over 20 samples, so the last window is partial), with clipping on the global norm, and a resume
+    from the sharded checkpoint of step 1 bitwise equal to the uninterrupted run. On CPU (gloo) Accelerate's device
+    gate is flipped (`use_accelerate_fsdp_on_cpu`); on a GPU `accelerate launch --config_file
+    configs/accelerate/fsdp2.yaml` sets FSDP2 up itself."""
+    from hf_gradaccum.engine.sharded import is_dtensor
+
+    fresh_accelerate_state()
+    on_gpu = torch.cuda.is_available()
+    case = CASE_BY_NAME[case_name]
+    torch.manual_seed(0)
+    initial = case.make_model()
+    data = case.make_data(20, torch.Generator().manual_seed(2))
+    # Accelerate deals sequential batches of 2 round-robin over the ranks, so a window covers 2 x 3 x world
+    # consecutive samples.
+    window = 2 * 3 * int(os.environ.get("WORLD_SIZE", "1"))
+    windows = [list(range(i, min(i + window, 20))) for i in range(0, 20, window)]
+    record: dict = {"windows": len(windows)}
+    results = {}
+
+    def make_trainer(name: str, model: torch.nn.Module, **overrides) -> GradAccumTrainer:
+        args = fsdp_trainer_args(os.path.join(out_dir, name), use_cpu=not on_gpu, **overrides)
+        if not on_gpu:
+            use_accelerate_fsdp_on_cpu(2)
+        trainer = GradAccumTrainer(model=model, args=args, train_dataset=data)
+        assert trainer.is_fsdp_enabled
+        return trainer
+
+    for name, clip in (("plain", 0.0), ("clipped", 0.05)):
+        trainer = make_trainer(
+            name, copy.deepcopy(initial), max_grad_norm=clip, save_strategy="steps", save_steps=1, logging_steps=1
+        )
+        trainer.train()
+        assert trainer.accumulator.sharded and all(is_dtensor(p) for p in trainer.model.parameters())
+        assert trainer.state.global_step == len(windows)
+        results[name] = full_weights(trainer.model, initial).cpu()
+        if clip:
+            reference = clipped_large_batch_reference(case, initial, data, windows, clip)
+            record["grad_norms"] = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        else:
+            reference = large_batch_reference(case, initial, data, windows)
+        record[f"err_{name}"] = relative_update_error(initial, results[name], reference)
+        policy = trainer.accelerator.state.fsdp_plugin.mixed_precision_policy
+        record["mixed_precision"] = trainer.accelerator.mixed_precision
+        record["reduce_dtype"] = None if policy is None else str(policy.reduce_dtype)
+        fresh_accelerate_state()
+
+    # Resume the unclipped run from its step-1 checkpoint (Accelerate's sharded DCP model and optimizer state, the
+    # accumulator's state) into a model initialised with another seed: the final weights must be bitwise the same.
+    torch.manual_seed(1)
+    trainer = make_trainer("plain", case.make_model())
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, "plain", "checkpoint-1"))
+    resumed = full_weights(trainer.model, initial).cpu()
+    record["resume_bitwise"] = all(
+        torch.equal(a, b)
+        for a, b in zip(resumed.state_dict().values(), results["plain"].state_dict().values(), strict=True)
+    )
+    record["rank"] = rank = torch.distributed.get_rank()
+    with open(os.path.join(out_dir, f"fsdp2_trainer_rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def sharded_engines_refused(out_dir: str) -> None:
-    """FSDP through the Trainer is refused with a clear error; FSDP2 (`fully_shard`) in a plain loop is accepted
-    (its parity is tested in tests/test_fsdp2.py)."""
+    """FSDP1 through the Trainer is refused with a clear error; `fsdp=...` on CPU (which Accelerate does not shard)
+    trains as DDP; FSDP2 (`fully_shard`) in a plain loop is accepted (its parity is tested in tests/test_fsdp2.py)."""
     from torch.distributed.fsdp import fully_shard
 
     fresh_accelerate_state()
     case = CASE_BY_NAME["bert_seq_cls"]
     messages = {}
-    args = GradAccumArguments(
-        output_dir=os.path.join(out_dir, "fsdp"), fsdp="full_shard", use_cpu=True, report_to=[], save_strategy="no"
-    )
+    args = fsdp_trainer_args(os.path.join(out_dir, "fsdp1"))
+    use_accelerate_fsdp_on_cpu(1)
     try:
         GradAccumTrainer(model=case.make_model(), args=args, train_dataset=case.make_data(4, torch.Generator()))
     except ValueError as error:
-        messages["trainer"] = str(error)
+        messages["fsdp1"] = str(error)
+    fresh_accelerate_state()
+    args = fsdp_trainer_args(os.path.join(out_dir, "cpu"), fsdp="full_shard")
+    trainer = GradAccumTrainer(model=case.make_model(), args=args, train_dataset=case.make_data(4, torch.Generator()))
+    messages["cpu_fsdp_enabled"] = trainer.is_fsdp_enabled
     torch.distributed.barrier()
     model = case.make_model()
     fully_shard(model)
@@ -215,6 +357,12 @@ def sharded_engines_refused(out_dir: str) -> None:
         messages["plain_sharded"] = GradientAccumulator(model, 2).sharded
     except ValueError as error:
         messages["plain"] = str(error)
+    partly = case.make_model()
+    fully_shard(partly.bert)  # the classifier stays a plain tensor: its gradient would never be reduced
+    try:
+        GradientAccumulator(partly, 2)
+    except ValueError as error:
+        messages["partly_sharded"] = str(error)
     rank = torch.distributed.get_rank()
     with open(os.path.join(out_dir, f"refused_rank{rank}.json"), "w") as f:
         json.dump(messages, f)

@@ -27,7 +27,8 @@ def make_model() -> nn.Module:
 
 
 def data(world_size: int) -> list[list[list[torch.Tensor]]]:
-    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding)."""
+    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding). The last
+    rank's second micro-batch of every window has no items at all."""
     g = torch.Generator().manual_seed(1)
     windows = []
     for _ in range(2):
@@ -39,6 +40,8 @@ def data(world_size: int) -> list[list[list[torch.Tensor]]]:
                 tokens = torch.randint(0, VOCAB, (length,), generator=g)
                 labels = torch.randint(0, VOCAB, (length,), generator=g)
                 labels[torch.rand(length, generator=g) < 0.3] = -100
+                if (r, k) == (world_size - 1, 1):
+                    labels[:] = -100  # a micro-batch with zero items on one rank: it must still join the collectives
                 micros.append((tokens, labels))
             ranks.append(micros)
         windows.append(ranks)

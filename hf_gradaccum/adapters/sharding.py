@@ -1,0 +1,86 @@
+"""Which distributed engines `GradAccumTrainer` runs under, and how it sets up FSDP2.
+
+DDP and FSDP2 leave the gradients to hooks the accumulator can sit in: DDP through `no_sync`, FSDP2 through the
+post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/sharded.py). DeepSpeed and FSDP1
+accumulate and reduce gradients inside their own engines, so they are refused. For FSDP2 through Accelerate's plugin
+(`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is sharded: Accelerate's `bf16`/`fp16`
+policy reduce-scatters in the compute dtype, which would round every micro-batch's gradient before it reaches the
+fp32 buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from .arguments import gradaccum_option
+
+logger = logging.getLogger(__name__)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_trainer_engine(trainer: Any) -> None:
+    """
+    Refuse DeepSpeed and FSDP1 with an error that says what to use; for FSDP2, make the reduce-scatter fp32 and refuse
+    what does not work sharded yet. Warn when FSDP was asked for in the arguments but Accelerate did not set it up
+    (it does so only for GPU-type devices), so the run is DDP.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.sharding import check_trainer_engine
+    >>> check_trainer_engine(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__)
+    ```
+    """
+    if trainer.is_deepspeed_enabled or getattr(trainer.args, "deepspeed", None):
+        raise ValueError(
+            "GradAccumTrainer does not support DeepSpeed: its engine accumulates and reduces gradients itself, so "
+            "this project's buffers and item weighting would be bypassed. Use DDP or FSDP2 (`accelerate launch "
+            "--config_file configs/accelerate/fsdp2.yaml`) with GradAccumTrainer, or DeepSpeed's own accumulation "
+            "(`gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`) with the stock Trainer."
+        )
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or plugin is None:
+        if getattr(trainer.args, "fsdp", None):
+            logger.warning(
+                "`fsdp=%s` was requested but Accelerate did not set FSDP up (distributed type %s; Accelerate shards "
+                "only on GPU-type devices): this run replicates the model on every rank (DDP). Accumulation stays "
+                "exact; memory is not sharded.",
+                trainer.args.fsdp,
+                trainer.accelerator.distributed_type,
+            )
+        return
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            "GradAccumTrainer supports FSDP2 only (`fsdp_version: 2` in the Accelerate config, or "
+            "`fsdp_config={'version': 2}` in the arguments); FSDP1 (`FullyShardedDataParallel`) accumulates and "
+            "reduces flat-parameter gradients inside its own engine, past the accumulator."
+        )
+    if gradaccum_option(trainer.args, "verify_accumulation") != "off":
+        raise ValueError(
+            "`verify_accumulation` is not supported under FSDP2 (the check differentiates a second copy of the "
+            "parameters, which FSDP2 shards). Set `verify_accumulation='off'` and check the model once on one process "
+            "with `hf-gradaccum verify` or `verify_split_invariance`."
+        )
+    _reduce_in_fp32(plugin)
+
+
+def _reduce_in_fp32(plugin: Any) -> None:
+    """Raise the plugin's `MixedPrecisionPolicy.reduce_dtype` to fp32 when FSDP2 would otherwise reduce-scatter each
+    micro-batch in bf16/fp16 (the policy Accelerate builds from `mixed_precision`)."""
+    policy = plugin.mixed_precision_policy
+    if policy is None:
+        return
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    if reduce_dtype in LOW_PRECISION:
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+        logger.warning(
+            "GradAccumTrainer: FSDP2 reduce_dtype %s -> torch.float32, so each micro-batch's reduce-scatter is summed "
+            "into the fp32 accumulation buffer without rounding (parameters and compute stay in %s).",
+            reduce_dtype,
+            policy.param_dtype,
+        )
