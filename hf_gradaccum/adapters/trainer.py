@@ -171,6 +171,8 @@ class GradAccumTrainer(Trainer):
             loss_scaler=loss_scaler,
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
+            # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
+            overlap_reduction=not self._oom_proof,
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:
