@@ -43,6 +43,14 @@ def test_bad_overlap_flag_is_refused():
         GradientAccumulator(torch.nn.Linear(2, 2), 2, overlap_reduction="yes")
 
 
+@pytest.mark.parametrize("kwargs", [{"overlap_reduction": "yes"}, {"ddp_bucket_cap_mb": -1}])
+def test_bad_trainer_overlap_arguments_are_refused(kwargs):
+    from hf_gradaccum import GradAccumArguments
+
+    with pytest.raises(ValueError, match="overlap_reduction|bucket_cap_mb"):
+        GradAccumArguments("out", use_cpu=True, report_to=[], **kwargs)
+
+
 def test_one_process_has_no_overlap():
     assert GradientAccumulator(torch.nn.Linear(2, 2), 2)._overlap is None
 

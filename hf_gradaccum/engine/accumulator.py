@@ -10,7 +10,7 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch. fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
+once per micro-batch; under DDP in buckets launched during the window's last backward (`overlap.py`). fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
 `window.py`.
 """
 

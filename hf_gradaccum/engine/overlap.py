@@ -117,12 +117,15 @@ class OverlappedReduction:
         group: the process group the buckets are all-reduced on (one reserved for them; see the module docstring).
         bucket_cap_mb (`float`): bucket size in megabytes of the buffer's dtype.
 
-    Example (2 processes; see tests/workers/overlap_workers.py):
+    Example (under a multi-process launch; tests/workers/overlap_ddp.py runs this on 2 gloo processes):
 
     ```python
     >>> accumulator = GradientAccumulator(ddp_model, 4, bucket_cap_mb=25)  # doctest: +SKIP
-    >>> accumulator.overlapped_buckets  # doctest: +SKIP
-    2
+    >>> for i, batch in enumerate(batches):  # doctest: +SKIP
+    ...     with accumulator.accumulate(ddp_model):  # no_sync: DDP's own reducer stays idle
+    ...         accumulator.backward(ddp_model(**batch).loss, num_items=len(batch["labels"]))
+    ...     if accumulator.sync_gradients:  # the 4th backward launched the buckets; step() waits for them
+    ...         accumulator.step(optimizer)
     ```
     """
 
