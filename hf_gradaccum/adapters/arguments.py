@@ -12,6 +12,7 @@ from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.loss_scaling import validate_loss_scaling
+from ..engine.overlap import validate_bucket_cap_mb
 from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -125,6 +126,14 @@ class GradAccumFields:
         default=False,
         metadata={"help": "Raise (instead of warning) when the check finds accumulation not exact for this model."},
     )
+    overlap_reduction: bool = field(
+        default=True,
+        metadata={
+            "help": "DDP: all-reduce the accumulation buffer in buckets during the window's last backward (as DDP "
+            "overlaps its own), in buckets of the stock `ddp_bucket_cap_mb` (default 25). Same results; off with "
+            "`auto_find_batch_size`, whose out-of-memory retry redoes a window."
+        },
+    )
 
     def __post_init__(self) -> None:
         validate_gradaccum_fields(self)
@@ -193,6 +202,12 @@ def validate_gradaccum_fields(args: Any) -> None:
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
+    if not isinstance(gradaccum_option(args, "overlap_reduction"), bool):
+        raise ValueError(
+            f"`overlap_reduction` must be True or False, got {gradaccum_option(args, 'overlap_reduction')!r}."
+        )
+    if getattr(args, "ddp_bucket_cap_mb", None) is not None:
+        validate_bucket_cap_mb(args.ddp_bucket_cap_mb)
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:
         raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")

@@ -37,6 +37,7 @@ from ..engine.checkpointing import publish_directory
 from ..engine.items import count_items_in_batch
 from ..engine.loss_scaling import DynamicLossScaler
 from ..engine.oom import is_out_of_memory, release_cached_memory, split_micro_batch
+from ..engine.overlap import DEFAULT_BUCKET_CAP_MB
 from ..helpers.lr_scaling import recommended_warmup_steps, scale_learning_rate
 from ..helpers.normalization import apply_accumulation_bn_momentum
 from ..helpers.planning import AccumulationPlan
@@ -157,6 +158,9 @@ class GradAccumTrainer(Trainer):
             loss_scaler=loss_scaler,
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
+            # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
+            overlap_reduction=gradaccum_option(self.args, "overlap_reduction") and not self._oom_proof,
+            bucket_cap_mb=self.args.ddp_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:

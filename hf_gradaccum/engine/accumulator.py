@@ -10,7 +10,7 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch. fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
+once per micro-batch; under DDP in buckets launched during the window's last backward (`overlap.py`). fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
 `window.py`.
 """
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
 from .loss_scaling import DynamicLossScaler
+from .overlap import DEFAULT_BUCKET_CAP_MB, OverlappedReduction, validate_bucket_cap_mb
 from .recompute import accumulate_with_recompute, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
 from .sharded import ShardedGradientBuffers, agree_any, is_dtensor, prepare_fsdp2_for_summing
@@ -117,6 +118,13 @@ class GradientAccumulator:
         reduce_gradients (`bool`, *optional*):
             All-reduce buffers and counts across `torch.distributed` ranks at the end of each window. Defaults to
             `True` when a process group with more than one rank is initialised.
+        overlap_reduction (`bool`, *optional*, defaults to `True`):
+            DDP (replicated buffers, more than one rank): all-reduce the buffer in buckets during the window's last
+            backward, as each bucket's gradients become final, instead of after it (`overlap.py`). Same results.
+            Needs the process group at construction and the accumulator constructed on every rank; windows cannot
+            be discarded once their reduction has started, so turn it off for out-of-memory retries.
+        bucket_cap_mb (`float`, *optional*, defaults to 25):
+            Bucket size for `overlap_reduction`, like DDP's `bucket_cap_mb`.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -147,6 +155,8 @@ class GradientAccumulator:
         overflow_policy: str = "recompute",
         max_recompute_attempts: int = 8,
         reduce_gradients: bool | None = None,
+        overlap_reduction: bool = True,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
@@ -156,6 +166,9 @@ class GradientAccumulator:
         self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
+        if not isinstance(overlap_reduction, bool):
+            raise ValueError(f"`overlap_reduction` must be True or False, got {overlap_reduction!r}.")
+        bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
 
         refuse_sharded_engines(model)
         params = model.parameters() if isinstance(model, nn.Module) else model
@@ -177,6 +190,13 @@ class GradientAccumulator:
             refuse_unsharded_trainable_parameters(model, self.parameters)
         buffer_class = ShardedGradientBuffers if self.sharded else FlatGradientBuffers
         self.buffers = buffer_class(self.parameters, self.accumulation_dtype)
+        # FSDP2 reduce-scatters at every micro-batch instead; its buffers are not all-reduced.
+        self._overlap = OverlappedReduction.for_accumulator(
+            self.buffers,
+            reduce_gradients,
+            overlap_reduction and not self.sharded,
+            bucket_cap_mb,
+        )
 
         # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
         # pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
@@ -206,8 +226,12 @@ class GradientAccumulator:
         self.buffers.fold(index, param.grad, self._fold_alpha)
         self._window.touched[index] = True
         param.grad = None
+        if self._overlap is not None:
+            self._overlap.folded(index)
 
     def _start_window(self) -> None:
+        if self._overlap is not None:
+            self._overlap.abandon_window()  # raises rather than zero a buffer the other ranks are summing
         self.buffers.zero_()
         # Gradients left from the previous step (possibly views of the buffer) must not be accumulated into.
         for p in self.parameters:
@@ -290,6 +314,8 @@ class GradientAccumulator:
             self._start_window()
         self.micro_step += 1
         self._window.micro_steps += 1
+        if self._overlap is not None:
+            self._overlap.begin_micro_batch(last=self._window.micro_steps == self.gradient_accumulation_steps)
         if num_items is None:
             n = 1.0
         else:
@@ -350,6 +376,8 @@ class GradientAccumulator:
         Throw away everything accumulated in the current window (e.g. after an out-of-memory error in the middle of
         a backward pass, when part of a micro-batch may already be folded), so it can be recomputed from its start.
         """
+        if self._overlap is not None:
+            self._overlap.abandon_window()
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
@@ -376,7 +404,13 @@ class GradientAccumulator:
 
         world, rank = world_size_and_rank(self._reduce_gradients)
         reduced, collectives = reduce_window(
-            window, self.buffers, self.current_scale, world, rank, reduce_buffers=not self.sharded
+            window,
+            self.buffers,
+            self.current_scale,
+            world,
+            rank,
+            reduce_buffers=not self.sharded,
+            overlap=self._overlap,
         )
         if world > 1:
             self.num_gradient_reductions += 1
@@ -478,6 +512,8 @@ class GradientAccumulator:
         Everything needed to resume exactly: counters, the loss scaler, and (mid-window only) the buffers and the
         window's item and loss sums.
         """
+        if self._overlap is not None:
+            self._overlap.ensure_idle("state_dict()")
         state: dict[str, Any] = {
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "accumulation_dtype": str(self.accumulation_dtype).removeprefix("torch."),
