@@ -30,29 +30,34 @@ class AccumulatorCheckpoint:
     bitwise, on the same number of ranks, with the same `gradient_accumulation_steps` (a different value is
     refused by [`GradientAccumulator.load_state_dict`]).
 
-    Saves: the sharded fp32 buffers (a `DTensor` per parameter, zeros' worth of shard at a window boundary), the
-    counters, the loss scaler's state (scale, growth tracker) and each rank's window totals. `dcp.save` and
-    `dcp.load` are collectives: call them on every rank. A mid-window save holds one extra copy of this rank's
-    buffer shard on its device while the state dict is alive.
+    Saves: the sharded fp32 buffers (a `DTensor` per parameter; always present, so that a fresh accumulator's state
+    is a valid `dcp.load` template, and ignored on load when saved at a window boundary), the counters, the loss
+    scaler's state (scale, growth tracker) and each rank's window totals. `dcp.save` and `dcp.load` are collectives:
+    call them on every rank. While the state dict is alive it holds one extra copy of this rank's buffer shard on
+    its device.
 
     Args:
         accumulator ([`GradientAccumulator`]): an accumulator built on an FSDP2 model (`accumulator.sharded`).
             Accumulators on replicated models (one process, DDP) are refused: use `accumulator.state_dict()` with
             `torch.save`, one file per rank, as `GradAccumTrainer` does.
 
-    Example:
+    Example (on every rank of an FSDP2 run; see docs/fsdp2.md):
 
     ```python
-    >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
-    >>> from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # doctest: +SKIP
-    >>> model_state, optim_state = get_state_dict(model, optimizer)  # doctest: +SKIP
-    >>> state = {"model": model_state, "optim": optim_state, "accumulator": AccumulatorCheckpoint(accumulator)}
-    >>> dcp.save(state, checkpoint_id="ckpt/step-12")  # doctest: +SKIP
-    >>> # resume: build the sharded model, optimizer and accumulator as before, then
-    >>> model_state, optim_state = get_state_dict(model, optimizer)  # doctest: +SKIP
-    >>> state = {"model": model_state, "optim": optim_state, "accumulator": AccumulatorCheckpoint(accumulator)}
-    >>> dcp.load(state, checkpoint_id="ckpt/step-12")  # doctest: +SKIP
-    >>> set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # doctest: +SKIP
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from hf_gradaccum import AccumulatorCheckpoint
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "accumulator": AccumulatorCheckpoint(accumulator)}
+    dcp.save(state, checkpoint_id="ckpt/micro-4")  # may be in the middle of a window
+
+    # resume: build the sharded model, optimizer and accumulator as before, then
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "accumulator": AccumulatorCheckpoint(accumulator)}
+    dcp.load(state, checkpoint_id="ckpt/micro-4")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # continue the data at micro-batch `accumulator.micro_step`
     ```
     """
 
@@ -88,7 +93,7 @@ class AccumulatorCheckpoint:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what [`state_dict`] saved, after `dcp.load` filled the buffers' shards in place."""
-        meta = torch.load(io.BytesIO(state[META_KEY]), weights_only=False)
+        meta = torch.load(io.BytesIO(state[META_KEY]), weights_only=True)  # plain values and CPU tensors only
         world, rank = world_size_and_rank(None)
         windows = meta.pop("windows")
         saved_world = meta.pop("world_size")

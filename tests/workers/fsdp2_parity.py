@@ -8,9 +8,11 @@ Usage: python tests/workers/fsdp2_parity.py WORLD_SIZE OUT_JSON
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -25,11 +27,9 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, VOCAB))
 
 
-def shard(model: nn.Module, policy: object | None = None) -> nn.Module:
+def shard(model: nn.Module, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """`fully_shard` each layer with parameters, then the root (the FSDP2 idiom), with an optional
     `MixedPrecisionPolicy`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     policy = policy or MixedPrecisionPolicy()
     for layer in (model[0], model[1], model[3]):
         fully_shard(layer, mp_policy=policy)
@@ -60,7 +60,10 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, reduct
 
 
 def reference(
-    world_size: int, make_optimizer: object = None, windows: int = 2, clip_window: int | None = 1
+    world_size: int,
+    make_optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    windows: int = 2,
+    clip_window: int | None = 1,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The hand-computed large batch in fp64: one step per window on all ranks' samples (SGD by default)."""
     model = make_model().double()
