@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hf_gradaccum import AccumulatorCheckpoint, DynamicLossScaler, GradientAccumulator  # noqa: E402
 from tests.workers.fsdp2_fp16 import INJECT_MICRO, INJECT_RANK  # noqa: E402
 from tests.workers.fsdp2_parity import STEPS, data, loss_fn, make_model, reference, relative_update_error, shard  # noqa: E402
-from tests.workers.gloo_spawn import run_gloo, spawn_gloo  # noqa: E402
+from tests.workers.gloo_spawn import run_gloo, spawn_gloo, worker_device  # noqa: E402
 
 WINDOWS, LR = 3, 1e-2
 TOTAL = WINDOWS * STEPS
@@ -43,7 +43,7 @@ def build(fp16: bool, seed: int = 0, steps: int = STEPS):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) if fp16 else None
-    model = shard(make_model(seed), policy)
+    model = shard(make_model(seed).to(worker_device()), policy)
     scaler = DynamicLossScaler(init_scale=2.0**12, growth_interval=2) if fp16 else None
     return model, adamw(model.parameters()), GradientAccumulator(model, steps, loss_scaler=scaler)
 
@@ -55,7 +55,7 @@ def train(rank: int, world_size: int, run, fp16: bool, start: int, stop: int) ->
     windows = data(world_size, WINDOWS)
     for position in range(start, stop):
         w, k = divmod(position, STEPS)
-        x, y = windows[w][rank][k]
+        x, y = (t.to(worker_device()) for t in windows[w][rank][k])
         n = int((y != -100).sum())
         if not fp16:
             acc.backward(loss_fn(model, x, y), num_items=n)
@@ -77,12 +77,12 @@ def train(rank: int, world_size: int, run, fp16: bool, start: int, stop: int) ->
 def record(run, path: str, **extra) -> None:
     model, opt, acc = run
     optim = [
-        {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone() for k, v in opt.state[p].items()}
+        {k: (v.to_local() if hasattr(v, "to_local") else v).cpu().clone() for k, v in opt.state[p].items()}
         for p in model.parameters()
     ]
     torch.save(
         {
-            "weights": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "weights": [p.full_tensor().detach().cpu().clone() for p in model.parameters()],
             "optim": optim,
             "scaler": None if acc.loss_scaler is None else acc.loss_scaler.state_dict(),
             "applied_steps": acc.applied_steps,
@@ -118,7 +118,7 @@ def save_then_kill(rank: int, world_size: int, out: str) -> None:
         run = build(fp16)
         train(rank, world_size, run, fp16, 0, TOTAL)
         extra = {}
-        weights = [p.full_tensor().detach().double() for p in run[0].parameters()]  # a collective: every rank
+        weights = [p.full_tensor().detach().cpu().double() for p in run[0].parameters()]  # a collective: all ranks
         if rank == 0 and not fp16:
             initial, ref = reference(world_size, adamw, WINDOWS, clip_window=None)
             extra["relative_update_error"] = relative_update_error(weights, initial, ref)

@@ -1,4 +1,5 @@
-"""Run a worker function on N fresh gloo CPU processes (one process group), for the FSDP2 workers.
+"""Run a worker function on N fresh gloo CPU processes (one process group), for the FSDP2 workers (NCCL on GPUs with
+`FSDP2_TEST_DEVICE=cuda`, for the workers that support it).
 
 `worker(rank, world_size, *args)` runs after `init_process_group("gloo")` with one thread per process; a final
 barrier keeps a fast rank from tearing the group down under a slow one. Processes are started with `spawn` (fresh
@@ -25,9 +26,16 @@ from tests.multiprocess import free_port  # noqa: E402
 GRACE_S = 10.0
 
 
+def worker_device() -> torch.device:
+    """`cpu` (gloo), or `cuda` with `FSDP2_TEST_DEVICE=cuda` (NCCL, one GPU per rank), for a run on a lent GPU."""
+    return torch.device(os.environ.get("FSDP2_TEST_DEVICE", "cpu"))
+
+
 def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if worker_device().type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if worker_device().type == "cuda" else "gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     try:
         worker(rank, world_size, *args)
