@@ -93,13 +93,14 @@ def test_mid_window_load_with_other_accumulation_steps_is_refused(runs):
 
 
 @pytest.mark.slow
-def test_mid_window_load_on_other_world_size_is_refused(runs):
+def test_mid_window_load_on_other_world_size_and_partly_sharded_model_are_refused(runs):
     run_script(WORKER, "other_world", "1", str(runs))
     record = json.loads((runs / "other_world1_rank0.json").read_text())
     assert record["fp32_mid"].startswith("Cannot resume mid-window on 1 process(es)")
     assert record["fp32_mid_micro_step"] == 0
     # A window-boundary checkpoint holds no partial window: it loads on any number of processes.
     assert record["fp32_boundary"] is None and record["fp32_boundary_micro_step"] == 3
+    assert record["partly_sharded"].startswith("`AccumulatorCheckpoint` needs every trainable parameter sharded")
 
 
 def test_replicated_accumulator_is_refused():

@@ -16,7 +16,7 @@ import torch
 
 from .accumulator import GradientAccumulator
 from .reduction import world_size_and_rank
-from .sharded import ShardedGradientBuffers
+from .sharded import ShardedGradientBuffers, is_dtensor
 
 BUFFERS_KEY = "buffers"
 META_KEY = "meta"
@@ -69,6 +69,12 @@ class AccumulatorCheckpoint:
                 "`AccumulatorCheckpoint` is for a GradientAccumulator on an FSDP2 (`fully_shard`) model, whose "
                 "buffers are sharded; this accumulator's buffers are replicated (one process or DDP). Save "
                 "`accumulator.state_dict()` with `torch.save`, one file per rank, instead."
+            )
+        if not all(is_dtensor(p) for p in accumulator.parameters):
+            # A plain parameter's buffer slice differs per rank, and DCP would write it once as if replicated.
+            raise ValueError(
+                "`AccumulatorCheckpoint` needs every trainable parameter sharded by FSDP2: some are plain tensors. "
+                "Apply `fully_shard` to the root module as well, so it owns the remaining parameters."
             )
         self.accumulator = accumulator
 

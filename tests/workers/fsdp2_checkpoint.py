@@ -157,7 +157,8 @@ def resume(rank: int, world_size: int, out: str) -> None:
 
 
 def other_world(rank: int, world_size: int, out: str) -> None:
-    """On another number of processes: the mid-window checkpoint is refused, the window-boundary one loads."""
+    """On another number of processes: the mid-window checkpoint is refused, the window-boundary one loads. Also: a
+    model only partly sharded by FSDP2 is refused by `AccumulatorCheckpoint`."""
     errors = {}
     for name in ("fp32_mid", "fp32_boundary"):
         run = build(False, seed=1)
@@ -167,6 +168,15 @@ def other_world(rank: int, world_size: int, out: str) -> None:
         except ValueError as error:
             errors[name] = str(error)
         errors[f"{name}_micro_step"] = run[2].micro_step
+    from torch.distributed.fsdp import fully_shard
+
+    partly_sharded = make_model()
+    fully_shard(partly_sharded[1])  # the embedding and the last layer stay plain tensors
+    try:
+        AccumulatorCheckpoint(GradientAccumulator(partly_sharded, STEPS))
+        errors["partly_sharded"] = None
+    except ValueError as error:
+        errors["partly_sharded"] = str(error)
     with open(os.path.join(out, f"other_world{world_size}_rank{rank}.json"), "w") as f:
         json.dump(errors, f)
 
