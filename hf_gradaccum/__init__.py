@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
     "GradientAccumulator": ".engine.accumulator",
+    "AccumulatorCheckpoint": ".engine.sharded_checkpoint",
     "WindowResult": ".engine.window",
     "DynamicLossScaler": ".engine.loss_scaling",
     "count_items": ".engine.items",
@@ -56,6 +57,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "AccumulationPlan",
+    "AccumulatorCheckpoint",
     "BatchNormConversion",
     "CannotShrinkMicroBatchError",
     "DynamicLossScaler",
@@ -113,6 +115,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .engine.accumulator import GradientAccumulator
     from .engine.items import count_items, count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler
+    from .engine.sharded_checkpoint import AccumulatorCheckpoint
     from .engine.window import WindowResult
     from .helpers.lr_scaling import (
         effective_batch_size,

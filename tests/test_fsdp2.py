@@ -3,21 +3,18 @@ step, on real gloo CPU processes (uneven micro-batches, different token counts p
 norm across shards)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multiprocess import run_script
+
 RTOL = 1e-5
 
 
 def spawn(worker: str, world_size: int, out: Path) -> None:
     """A fresh launcher process per test: forking pytest after torch started its thread pool can deadlock."""
-    cmd = [sys.executable, f"tests/workers/{worker}.py", str(world_size), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    run_script(f"tests/workers/{worker}.py", str(world_size), str(out))
 
 
 def run_parity(world_size: int, tmp_path: Path) -> dict:

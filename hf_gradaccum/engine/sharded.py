@@ -84,7 +84,25 @@ class ShardedGradientBuffers(FlatGradientBuffers):
         super().fold(index, grad.to_local() if is_dtensor(grad) else grad, alpha)
 
     def gradient_for(self, index: int, param_dtype: torch.dtype) -> torch.Tensor:
-        local = super().gradient_for(index, param_dtype)
+        return self._as_parameter_layout(index, super().gradient_for(index, param_dtype))
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the buffer views, one per parameter, as `DTensor`s laid out like the parameters (plain tensors
+        for plain parameters): `torch.distributed.checkpoint` then writes each rank's shard once and can reshard on
+        load. The copies stay on the buffer's device (a `DTensor`'s local tensor lives on its mesh's device)."""
+        return [self._as_parameter_layout(i, view.detach().clone()) for i, view in enumerate(self.views)]
+
+    def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        """Copy a [`snapshot`] (per-parameter `DTensor`s or local tensors) back into the buffer views."""
+        if len(saved) != len(self.views):
+            raise ValueError(
+                f"The saved sharded buffers hold {len(saved)} tensors but this accumulator has {len(self.views)} "
+                "parameters: the checkpoint belongs to a different model (or to a non-FSDP2 accumulator)."
+            )
+        for view, tensor in zip(self.views, saved, strict=True):
+            view.copy_(tensor.to_local() if is_dtensor(tensor) else tensor)
+
+    def _as_parameter_layout(self, index: int, local: torch.Tensor) -> torch.Tensor:
         param = self._params[index]
         if not is_dtensor(param):
             return local

@@ -10,25 +10,20 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_gradaccum import DynamicLossScaler, GradientAccumulator  # noqa: E402
-from tests.workers.fsdp2_parity import STEPS, data, loss_fn, make_model  # noqa: E402
+from tests.workers.fsdp2_parity import STEPS, data, loss_fn, make_model, shard  # noqa: E402
+from tests.workers.gloo_spawn import run_gloo  # noqa: E402
 
 INJECT_RANK, INJECT_MICRO = 1, 2
 
 
 def train(rank: int, world_size: int, inject: bool) -> tuple[list[torch.Tensor], GradientAccumulator]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    model = make_model()
-    for layer in (model[0], model[1], model[3]):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    model = shard(make_model(), MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     acc = GradientAccumulator(model, STEPS, loss_scaler=DynamicLossScaler(init_scale=2.0**12))
     for ranks in data(world_size):
@@ -48,10 +43,7 @@ def train(rank: int, world_size: int, inject: bool) -> tuple[list[torch.Tensor],
     return [p.full_tensor().detach().double() for p in model.parameters()], acc
 
 
-def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
+def worker(rank: int, world_size: int, out_dir: str) -> None:
     clean, _ = train(rank, world_size, inject=False)
     weights, acc = train(rank, world_size, inject=True)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(weights, clean, strict=True))
@@ -64,15 +56,7 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"fp16_rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = int(sys.argv[1])
-    mp.spawn(worker, args=(world, port, sys.argv[2]), nprocs=world)
+    run_gloo(worker, int(sys.argv[1]), sys.argv[2])

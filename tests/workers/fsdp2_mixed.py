@@ -10,13 +10,12 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
-from tests.workers.fsdp2_parity import VOCAB, loss_fn, make_model  # noqa: E402
+from tests.workers.fsdp2_parity import VOCAB, loss_fn, make_model, shard  # noqa: E402
+from tests.workers.gloo_spawn import run_gloo  # noqa: E402
 
 MICRO_BATCHES = 64
 
@@ -46,13 +45,9 @@ def fp64_gradient(world_size: int) -> list[torch.Tensor]:
 
 
 def sharded_gradient(rank: int, world_size: int, one_pass: bool) -> list[torch.Tensor]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = make_model()
-    for layer in (model[0], model[1], model[3]):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    model = shard(make_model(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     micros = data(world_size)[rank]
     if one_pass:
         micros = [(torch.cat([x for x, _ in micros]), torch.cat([y for _, y in micros]))]
@@ -70,10 +65,7 @@ def relative_error(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return (diff / sum(float(b.pow(2).sum()) for b in ref)) ** 0.5
 
 
-def worker(rank: int, world_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
+def worker(rank: int, world_size: int, out: str) -> None:
     accumulated = sharded_gradient(rank, world_size, one_pass=False)
     one_pass = sharded_gradient(rank, world_size, one_pass=True)
     if rank == 0:
@@ -84,15 +76,7 @@ def worker(rank: int, world_size: int, port: int, out: str) -> None:
         }
         with open(out, "w") as f:
             json.dump(record, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = int(sys.argv[1])
-    mp.spawn(worker, args=(world, port, sys.argv[2]), nprocs=world)
+    run_gloo(worker, int(sys.argv[1]), sys.argv[2])
