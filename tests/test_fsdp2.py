@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
 
 
-def spawn(worker: str, world_size: int, out: Path) -> None:
+def spawn(worker: str, world_size: int, out: Path, *args: str) -> None:
     """A fresh launcher process per test: forking pytest after torch started its thread pool can deadlock."""
-    cmd = [sys.executable, f"tests/workers/{worker}.py", str(world_size), str(out)]
+    cmd = [sys.executable, f"tests/workers/{worker}.py", str(world_size), str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 

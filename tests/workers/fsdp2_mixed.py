@@ -2,7 +2,7 @@
 all (64 / world_size per rank) accumulated in the sharded fp32 buffer, against the one-pass floor (the same samples
 in one micro-batch per rank, same policy), both measured as the gradient's relative error vs fp64.
 
-Usage: python tests/workers/fsdp2_mixed.py WORLD_SIZE OUT_JSON
+Usage: python tests/workers/fsdp2_mixed.py WORLD_SIZE OUT_JSON [FSDP_REDUCE_SCHEDULE]
 """
 
 import json
@@ -45,7 +45,9 @@ def fp64_gradient(world_size: int) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-def sharded_gradient(rank: int, world_size: int, one_pass: bool) -> list[torch.Tensor]:
+def sharded_gradient(
+    rank: int, world_size: int, one_pass: bool, schedule: str = "every_micro_batch"
+) -> list[torch.Tensor]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -56,7 +58,7 @@ def sharded_gradient(rank: int, world_size: int, one_pass: bool) -> list[torch.T
     micros = data(world_size)[rank]
     if one_pass:
         micros = [(torch.cat([x for x, _ in micros]), torch.cat([y for _, y in micros]))]
-    acc = GradientAccumulator(model, gradient_accumulation_steps=len(micros))
+    acc = GradientAccumulator(model, gradient_accumulation_steps=len(micros), fsdp_reduce_schedule=schedule)
     for x, y in micros:
         acc.backward(loss_fn(model, x, y), num_items=int((y != -100).sum()))
     assert acc.finish_window().applied
@@ -70,17 +72,18 @@ def relative_error(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return (diff / sum(float(b.pow(2).sum()) for b in ref)) ** 0.5
 
 
-def worker(rank: int, world_size: int, port: int, out: str) -> None:
+def worker(rank: int, world_size: int, port: int, out: str, schedule: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
-    accumulated = sharded_gradient(rank, world_size, one_pass=False)
-    one_pass = sharded_gradient(rank, world_size, one_pass=True)
+    accumulated = sharded_gradient(rank, world_size, one_pass=False, schedule=schedule)
+    one_pass = sharded_gradient(rank, world_size, one_pass=True, schedule=schedule)
     if rank == 0:
         ref = fp64_gradient(world_size)
         record = {
             "accumulated_error": relative_error(accumulated, ref),
             "one_pass_error": relative_error(one_pass, ref),
+            "schedule": schedule,
         }
         with open(out, "w") as f:
             json.dump(record, f)
@@ -95,4 +98,5 @@ if __name__ == "__main__":
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = int(sys.argv[1])
-    mp.spawn(worker, args=(world, port, sys.argv[2]), nprocs=world)
+    schedule = sys.argv[3] if len(sys.argv) > 3 else "every_micro_batch"
+    mp.spawn(worker, args=(world, port, sys.argv[2], schedule), nprocs=world)

@@ -26,15 +26,16 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, VOCAB))
 
 
-def data(world_size: int) -> list[list[list[torch.Tensor]]]:
-    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding)."""
+def data(world_size: int, micro_batches: tuple[int, ...] = (STEPS, STEPS)) -> list[list[list[torch.Tensor]]]:
+    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding);
+    `micro_batches[w]` micro-batches in window `w` (fewer than `STEPS`: a partial window)."""
     g = torch.Generator().manual_seed(1)
     windows = []
-    for _ in range(2):
+    for count in micro_batches:
         ranks = []
         for r in range(world_size):
             micros = []
-            for k in range(STEPS):
+            for k in range(count):
                 length = 3 + (5 * r + 7 * k) % 9
                 tokens = torch.randint(0, VOCAB, (length,), generator=g)
                 labels = torch.randint(0, VOCAB, (length,), generator=g)
@@ -49,11 +50,12 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, reduct
     return nn.functional.cross_entropy(model(tokens), labels, ignore_index=-100, reduction=reduction)
 
 
-def reference(world_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def reference(world_size: int, windows: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Initial and final fp64 weights of the large-batch steps over `windows` (default `data(world_size)`)."""
     model = make_model().double()
     initial = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for w, ranks in enumerate(data(world_size)):
+    for w, ranks in enumerate(data(world_size) if windows is None else windows):
         opt.zero_grad()
         total = sum(int((y != -100).sum()) for micros in ranks for _, y in micros)
         loss = sum(loss_fn(model, x, y, "sum") for micros in ranks for x, y in micros) / total
