@@ -67,14 +67,17 @@ def refusals() -> dict[str, str]:
     return messages
 
 
-def train(rank: int, windows: list, schedule: str, nan_window: int | None = None) -> dict:
-    """Train over `windows`; window `nan_window` (if any) has a NaN loss in its last micro-batch on the last rank."""
+def train(
+    rank: int, windows: list, schedule: str, nan_window: int | None = None, save_mid_window: bool = False
+) -> dict:
+    """Train over `windows`; window `nan_window` (if any) has a NaN loss in its last micro-batch on the last rank;
+    `save_mid_window` takes `state_dict()` after the first micro-batch (it must flush FSDP2's unsynced gradients)."""
     model = sharded_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     acc = GradientAccumulator(model, gradient_accumulation_steps=STEPS, fsdp_reduce_schedule=schedule)
     fired = []
     model[1].weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
-    hooks_per_window, unsharded_bytes, applied, data_window = [], [], [], 0
+    hooks_per_window, unsharded_bytes, applied, data_window, saved_norm = [], [], [], 0, None
     for w, ranks in enumerate(windows):
         fired.clear()
         micros = ranks[rank]
@@ -87,6 +90,8 @@ def train(rank: int, windows: list, schedule: str, nan_window: int | None = None
                 unsharded_bytes.append(
                     acc.fsdp_schedule.unsharded_gradient_bytes() if schedule != "every_micro_batch" else 0
                 )
+                if save_mid_window and w == 0:
+                    saved_norm = float(acc.state_dict()["window"]["buffers"][0].norm())
         result = acc.step(opt, max_grad_norm=CLIP if data_window == 1 and w != nan_window else None)
         applied.append(result.applied)
         data_window += w != nan_window
@@ -100,6 +105,7 @@ def train(rank: int, windows: list, schedule: str, nan_window: int | None = None
         "unsharded_bytes_after_training": after,
         "applied": applied,
         "skipped": dict(acc.skipped_steps),
+        "saved_buffer_norm": saved_norm,
     }
 
 
@@ -115,6 +121,7 @@ def worker(rank: int, world_size: int, out: str) -> None:
     once = train(rank, windows, "once_per_window")
     every = train(rank, windows, "every_micro_batch")
     nan = train(rank, [windows[0], windows[1], *windows[1:]], "once_per_window", nan_window=1)
+    saved = train(rank, windows, "once_per_window", save_mid_window=True)
     if rank == 0:
         initial, ref = reference(world_size, windows)
         record = {
@@ -122,12 +129,13 @@ def worker(rank: int, world_size: int, out: str) -> None:
             "relative_update_error": relative(once["weights"], ref, initial),
             "every_micro_batch_relative_update_error": relative(every["weights"], ref, initial),
             "nan_window_relative_update_error": relative(nan["weights"], ref, initial),
+            "saved_mid_window_relative_update_error": relative(saved["weights"], ref, initial),
             "nan_window_vs_once_max_abs_diff": max(
                 float((a - b).abs().max()) for a, b in zip(nan["weights"], once["weights"], strict=True)
             ),
             "full_numel": sum(p.numel() for p in ref),
         }
-        for name, run in (("once", once), ("every", every), ("nan", nan)):
+        for name, run in (("once", once), ("every", every), ("nan", nan), ("saved", saved)):
             record[name] = {k: v for k, v in run.items() if k != "weights"}
         with open(out, "w") as f:
             json.dump(record, f, indent=1)
