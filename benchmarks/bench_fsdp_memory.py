@@ -114,6 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     rss_before_model = peak_rss_bytes()
     model, optimizer, accumulator = build(args.method, args)
+    rss_after_build = current_rss_bytes()
     g = torch.Generator().manual_seed(1000 + rank)
     times, unsharded_grad_bytes = [], 0
     for window in range(args.windows + 1):
@@ -144,6 +145,7 @@ def worker(args: argparse.Namespace) -> None:
         "optimizer_state_bytes": storage_bytes(state_tensors),
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_rss_before_model_bytes": rss_before_model,
+        "rss_after_build_bytes": rss_after_build,
         "rss_at_end_bytes": current_rss_bytes(),
         "s_per_step": statistics.median(times),
         "per_window_s": times,
@@ -160,6 +162,8 @@ def launch(method: str, world: int, args: argparse.Namespace, out: str) -> list[
     cmd += [__file__, "--worker", "--method", method, "--out", out]
     cmd += [f"--{k}={getattr(args, k)}" for k in ("steps", "windows", "micro", "seq_len", "hidden", "layers")]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    if args.malloc_arena_max:
+        env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -172,6 +176,7 @@ def summarize(records: list[dict]) -> dict:
     keys += ("rss_at_end_bytes",)
     row = {k: max(r[k] for r in records) for k in keys}
     row["rss_growth_bytes"] = max(r["peak_rss_bytes"] - r["peak_rss_before_model_bytes"] for r in records)
+    row["rss_training_growth_bytes"] = max(r["peak_rss_bytes"] - r["rss_after_build_bytes"] for r in records)
     row["state_bytes"] = row["param_bytes"] + row["buffer_bytes"] + row["optimizer_state_bytes"]
     row["s_per_step"] = max(r["s_per_step"] for r in records)
     return row
@@ -181,15 +186,17 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| processes | method | params MiB | accumulation buffer MiB | FSDP2 unsharded grads MiB (mid-window) "
         "| AdamW state MiB | params + buffer + state MiB | DDP / world MiB | ratio to DDP / world "
-        "| peak RSS MiB | peak RSS growth from model build MiB | RSS at end MiB | s / optimizer step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MiB | peak RSS growth from model build MiB | of which in training MiB | RSS at end MiB "
+        "| s / optimizer step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['world_size']} | {r['method']} | {r['param_bytes'] / MB:.1f} | {r['buffer_bytes'] / MB:.1f} "
             f"| {r['fsdp_unsharded_grad_bytes'] / MB:.1f} | {r['optimizer_state_bytes'] / MB:.1f} "
             f"| {r['state_bytes'] / MB:.1f} | {r['ddp_per_world_bytes'] / MB:.1f} | {r['ratio_to_ddp_per_world']:.2f} "
-            f"| {r['peak_rss_bytes'] / MB:.0f} | {r['rss_growth_bytes'] / MB:.0f} | {r['rss_at_end_bytes'] / MB:.0f} "
+            f"| {r['peak_rss_bytes'] / MB:.0f} | {r['rss_growth_bytes'] / MB:.0f} "
+            f"| {r['rss_training_growth_bytes'] / MB:.0f} | {r['rss_at_end_bytes'] / MB:.0f} "
             f"| {r['s_per_step']:.2f} |"
         )
     return "\n".join(lines)
@@ -205,6 +212,14 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--malloc_arena_max",
+        type=int,
+        default=0,
+        help="Set glibc's MALLOC_ARENA_MAX for the launched processes (0: leave the allocator as it is). gloo's and "
+        "FSDP2's threads allocate from their own arenas, which inflates and slowly grows RSS; 1 shows the tensors' "
+        "memory with less allocator noise. Results go to fsdp_memory_arena<N>.{json,md}.",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -258,11 +273,15 @@ def main() -> None:
         "unsharded grads: what `once_per_window` adds between micro-batches (not in the sum; it is freed at the "
         "window's reduce-scatter). Peak RSS growth: peak RSS minus the peak before the model was built (after imports "
         "and `init_process_group`); it includes the full model that every rank builds before `fully_shard` shards it "
-        "(no meta-device init here). RSS at end: resident memory after the last step.\n\n"
+        "(no meta-device init here); 'of which in training': peak RSS minus the RSS right after the model, optimizer and "
+        "accumulator were built. RSS at end: resident memory after the last step.\n\n"
     )
+    if args.malloc_arena_max:
+        header += f"glibc allocator: `MALLOC_ARENA_MAX={args.malloc_arena_max}` in every process.\n\n"
+    name = f"fsdp_memory_arena{args.malloc_arena_max}" if args.malloc_arena_max else "fsdp_memory"
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "fsdp_memory.md").write_text(header + text + "\n")
-    (RESULTS_DIR / "fsdp_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (RESULTS_DIR / f"{name}.md").write_text(header + text + "\n")
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(text)
 
 
