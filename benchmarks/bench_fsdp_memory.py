@@ -218,7 +218,13 @@ def main() -> None:
         default=0,
         help="Set glibc's MALLOC_ARENA_MAX for the launched processes (0: leave the allocator as it is). gloo's and "
         "FSDP2's threads allocate from their own arenas, which inflates and slowly grows RSS; 1 shows the tensors' "
-        "memory with less allocator noise. Results go to fsdp_memory_arena<N>.{json,md}.",
+        "memory with less allocator noise.",
+    )
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="Results file stem under benchmarks/results/ (default: fsdp_memory, or fsdp_memory_arena<N> with "
+        "--malloc_arena_max N).",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
@@ -251,7 +257,7 @@ def main() -> None:
     command = "python benchmarks/bench_fsdp_memory.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
-        if k not in ("worker", "method", "out")
+        if k not in ("worker", "method", "out") and v is not None
     )
     meta = {
         "command": command,
@@ -278,7 +284,7 @@ def main() -> None:
     )
     if args.malloc_arena_max:
         header += f"glibc allocator: `MALLOC_ARENA_MAX={args.malloc_arena_max}` in every process.\n\n"
-    name = f"fsdp_memory_arena{args.malloc_arena_max}" if args.malloc_arena_max else "fsdp_memory"
+    name = args.name or (f"fsdp_memory_arena{args.malloc_arena_max}" if args.malloc_arena_max else "fsdp_memory")
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{name}.md").write_text(header + text + "\n")
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
