@@ -12,9 +12,9 @@ from tests.multiprocess import run_script
 RTOL = 1e-5
 
 
-def spawn(worker: str, world_size: int, out: Path) -> None:
+def spawn(worker: str, world_size: int, out: Path, *args: str) -> None:
     """A fresh launcher process per test: forking pytest after torch started its thread pool can deadlock."""
-    run_script(f"tests/workers/{worker}.py", str(world_size), str(out))
+    run_script(f"tests/workers/{worker}.py", str(world_size), str(out), *args)
 
 
 def run_parity(world_size: int, tmp_path: Path) -> dict:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
+from .fsdp_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .loss_scaling import DynamicLossScaler
 from .overlap import DEFAULT_BUCKET_CAP_MB, OverlappedReduction, validate_bucket_cap_mb
 from .recompute import accumulate_with_recompute, gradients_overflowed
@@ -125,6 +126,11 @@ class GradientAccumulator:
             be discarded once their reduction has started, so turn it off for out-of-memory retries.
         bucket_cap_mb (`float`, *optional*, defaults to 25):
             Bucket size for `overlap_reduction`, like DDP's `bucket_cap_mb`.
+        fsdp_reduce_schedule (`str`, *optional*, defaults to `"every_micro_batch"`):
+            FSDP2 models only: `"every_micro_batch"` reduce-scatters each micro-batch into the sharded fp32 buffer
+            (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
+            window's last micro-batch (one reduce-scatter per window, one unsharded gradient per rank in between).
+            See `engine/fsdp_schedule.py` for what it refuses and why.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -157,12 +163,14 @@ class GradientAccumulator:
         reduce_gradients: bool | None = None,
         overlap_reduction: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        fsdp_reduce_schedule: str = "every_micro_batch",
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
         if overflow_policy not in OVERFLOW_POLICIES:
             raise ValueError(f"`overflow_policy` must be one of {OVERFLOW_POLICIES}, got {overflow_policy!r}.")
         self.overflow_policy = overflow_policy
+        check_fsdp_reduce_schedule(fsdp_reduce_schedule)
         self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
@@ -196,6 +204,13 @@ class GradientAccumulator:
             reduce_gradients,
             overlap_reduction and not self.sharded,
             bucket_cap_mb,
+        )
+        self.fsdp_schedule = make_fsdp_reduce_schedule(
+            fsdp_reduce_schedule,
+            model,
+            sharded=self.sharded,
+            loss_scaled=loss_scaler is not None,
+            overflow_policy=overflow_policy,
         )
 
         # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
@@ -331,6 +346,9 @@ class GradientAccumulator:
             # Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own reduce
             # dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch fp16 check.
             module.set_requires_gradient_sync(True, recurse=False)
+        # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for
+        # every micro-batch but the window's last.
+        self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
         scale = self.current_scale
         # Sharded: the weight goes into the loss, before the reduce-scatter sums the ranks' gradients.
         loss_factor, self._fold_alpha = (scale * n, 1.0 / scale) if self.sharded else (scale, n / scale)
@@ -381,6 +399,7 @@ class GradientAccumulator:
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
+        self.fsdp_schedule.discard()
         for p in self.parameters:
             p.grad = None
 
@@ -395,6 +414,7 @@ class GradientAccumulator:
         window = self._window
         if window is None or window.micro_steps == 0:
             raise RuntimeError("`finish_window()` called before any micro-batch of the window was accumulated.")
+        self._flush_fsdp_schedule()
         for p in self.parameters:
             if p.grad is not None:
                 raise RuntimeError(
@@ -456,6 +476,16 @@ class GradientAccumulator:
         self._window = None
         self.last_result = result
         return result
+
+    def _flush_fsdp_schedule(self) -> None:
+        """FSDP2 `once_per_window`: reduce-scatter gradients FSDP2 still holds unsynced (a partial window, or a
+        skipped last micro-batch) into the buffer, at the window's (constant: no recompute) scale."""
+        if self.fsdp_schedule.pending:
+            self._fold_alpha = 1.0 / self.current_scale
+            try:
+                self.fsdp_schedule.flush()
+            finally:
+                self._fold_alpha = None
 
     def _update_loss_scale(self, skip_reason: str | None, any_backoff: bool, min_scale: float) -> None:
         """One decision for all ranks: every rank ends the window with the smallest scale any rank backed off to
@@ -525,6 +555,8 @@ class GradientAccumulator:
             "window": None,
         }
         if self._window is not None and self._window.micro_steps > 0:
+            # FSDP2 `once_per_window`: gradients FSDP2 holds unsynced go into the buffer first (a collective).
+            self._flush_fsdp_schedule()
             state["window"] = {**self._window.state_dict(), "buffers": self.buffers.snapshot()}
         return state
 

@@ -2,7 +2,7 @@
 all (64 / world_size per rank) accumulated in the sharded fp32 buffer, against the one-pass floor (the same samples
 in one micro-batch per rank, same policy), both measured as the gradient's relative error vs fp64.
 
-Usage: python tests/workers/fsdp2_mixed.py WORLD_SIZE OUT_JSON
+Usage: python tests/workers/fsdp2_mixed.py WORLD_SIZE OUT_JSON [FSDP_REDUCE_SCHEDULE]
 """
 
 import json
@@ -44,14 +44,16 @@ def fp64_gradient(world_size: int) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-def sharded_gradient(rank: int, world_size: int, one_pass: bool) -> list[torch.Tensor]:
+def sharded_gradient(
+    rank: int, world_size: int, one_pass: bool, schedule: str = "every_micro_batch"
+) -> list[torch.Tensor]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = shard(make_model(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     micros = data(world_size)[rank]
     if one_pass:
         micros = [(torch.cat([x for x, _ in micros]), torch.cat([y for _, y in micros]))]
-    acc = GradientAccumulator(model, gradient_accumulation_steps=len(micros))
+    acc = GradientAccumulator(model, gradient_accumulation_steps=len(micros), fsdp_reduce_schedule=schedule)
     for x, y in micros:
         acc.backward(loss_fn(model, x, y), num_items=int((y != -100).sum()))
     assert acc.finish_window().applied
@@ -65,18 +67,19 @@ def relative_error(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return (diff / sum(float(b.pow(2).sum()) for b in ref)) ** 0.5
 
 
-def worker(rank: int, world_size: int, out: str) -> None:
-    accumulated = sharded_gradient(rank, world_size, one_pass=False)
-    one_pass = sharded_gradient(rank, world_size, one_pass=True)
+def worker(rank: int, world_size: int, out: str, schedule: str) -> None:
+    accumulated = sharded_gradient(rank, world_size, one_pass=False, schedule=schedule)
+    one_pass = sharded_gradient(rank, world_size, one_pass=True, schedule=schedule)
     if rank == 0:
         ref = fp64_gradient(world_size)
         record = {
             "accumulated_error": relative_error(accumulated, ref),
             "one_pass_error": relative_error(one_pass, ref),
+            "schedule": schedule,
         }
         with open(out, "w") as f:
             json.dump(record, f)
 
 
 if __name__ == "__main__":
-    run_gloo(worker, int(sys.argv[1]), sys.argv[2])
+    run_gloo(worker, int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "every_micro_batch")

@@ -36,16 +36,17 @@ def shard(model: nn.Module, policy: MixedPrecisionPolicy | None = None) -> nn.Mo
     return fully_shard(model, mp_policy=policy)
 
 
-def data(world_size: int, windows: int = 2) -> list[list[list[torch.Tensor]]]:
-    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding). The last
-    rank's second micro-batch of every window has no items at all."""
+def data(world_size: int, windows: int | tuple[int, ...] = 2) -> list[list[list[torch.Tensor]]]:
+    """data[window][rank][micro] = token ids (1-D, length varies by rank and micro-batch; -100 = padding). `windows`:
+    how many full windows, or the number of micro-batches in each window (fewer than `STEPS`: a partial window). The
+    last rank's second micro-batch of every window has no items at all."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(windows):
+    for count in (STEPS,) * windows if isinstance(windows, int) else windows:
         ranks = []
         for r in range(world_size):
             micros = []
-            for k in range(STEPS):
+            for k in range(count):
                 length = 3 + (5 * r + 7 * k) % 9
                 tokens = torch.randint(0, VOCAB, (length,), generator=g)
                 labels = torch.randint(0, VOCAB, (length,), generator=g)
@@ -65,7 +66,7 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, reduct
 def reference(
     world_size: int,
     make_optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-    windows: int = 2,
+    windows: int | tuple[int, ...] = 2,
     clip_window: int | None = 1,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The hand-computed large batch in fp64: one step per window on all ranks' samples (SGD by default)."""
