@@ -60,6 +60,7 @@ def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(
     for record in records:
         assert record["err_plain"] <= ddp_workers.RTOL, record
         assert record["err_clipped"] <= ddp_workers.RTOL, record
+        assert record["err_once_per_window"] <= ddp_workers.RTOL, record
         assert all(norm > 0.05 for norm in record["grad_norms"]), record  # clipping was active
         assert record["resume_bitwise"] is True
     assert records[0]["grad_norms"] == records[1]["grad_norms"]  # the global norm, not each rank's shard

@@ -76,3 +76,10 @@ def test_unknown_schedule_is_refused_with_the_allowed_values():
 def test_once_per_window_needs_an_fsdp2_model():
     with pytest.raises(ValueError, match="needs a model sharded with FSDP2"):
         GradientAccumulator(torch.nn.Linear(2, 2), fsdp_reduce_schedule="once_per_window")
+
+
+def test_trainer_arguments_refuse_an_unknown_schedule_before_training():
+    from hf_gradaccum import GradAccumArguments
+
+    with pytest.raises(ValueError, match=r"`fsdp_reduce_schedule` must be one of \('every_micro_batch', 'once_per"):
+        GradAccumArguments("out", use_cpu=True, report_to=[], fsdp_reduce_schedule="sometimes")

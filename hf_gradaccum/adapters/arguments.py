@@ -11,6 +11,7 @@ import torch
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
+from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.overlap import validate_bucket_cap_mb
 from .training_checks import validate_training_numbers
@@ -134,6 +135,15 @@ class GradAccumFields:
             "`auto_find_batch_size`, whose out-of-memory retry redoes a window."
         },
     )
+    fsdp_reduce_schedule: str = field(
+        default="every_micro_batch",
+        metadata={
+            "help": "FSDP2 (`fsdp_version: 2`) only. `every_micro_batch`: reduce-scatter each micro-batch into the "
+            "sharded fp32 buffer (gradient memory 1/world_size). `once_per_window`: one reduce-scatter per window, "
+            "one unsharded fp32 gradient of the model per rank in between (fewer collectives, more memory).",
+            "choices": ["every_micro_batch", "once_per_window"],
+        },
+    )
 
     def __post_init__(self) -> None:
         validate_gradaccum_fields(self)
@@ -206,6 +216,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         raise ValueError(
             f"`overlap_reduction` must be True or False, got {gradaccum_option(args, 'overlap_reduction')!r}."
         )
+    check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
     if getattr(args, "ddp_bucket_cap_mb", None) is not None:
         validate_bucket_cap_mb(args.ddp_bucket_cap_mb)
     mode = gradaccum_option(args, "verify_accumulation")

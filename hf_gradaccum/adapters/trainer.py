@@ -161,6 +161,7 @@ class GradAccumTrainer(Trainer):
             # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
             overlap_reduction=gradaccum_option(self.args, "overlap_reduction") and not self._oom_proof,
             bucket_cap_mb=self.args.ddp_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
+            fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:

@@ -298,12 +298,23 @@ def trainer_fsdp2(case_name: str, out_dir: str) -> None:
         assert trainer.is_fsdp_enabled
         return trainer
 
-    for name, clip in (("plain", 0.0), ("clipped", 0.05)):
+    for name, clip, schedule in (
+        ("plain", 0.0, "every_micro_batch"),
+        ("clipped", 0.05, "every_micro_batch"),
+        ("once_per_window", 0.0, "once_per_window"),
+    ):
         trainer = make_trainer(
-            name, copy.deepcopy(initial), max_grad_norm=clip, save_strategy="steps", save_steps=1, logging_steps=1
+            name,
+            copy.deepcopy(initial),
+            max_grad_norm=clip,
+            fsdp_reduce_schedule=schedule,
+            save_strategy="steps" if name == "plain" else "no",
+            save_steps=1,
+            logging_steps=1,
         )
         trainer.train()
         assert trainer.accumulator.sharded and all(is_dtensor(p) for p in trainer.model.parameters())
+        assert trainer.accumulator.fsdp_schedule.name == schedule
         assert trainer.state.global_step == len(windows)
         results[name] = full_weights(trainer.model, initial).cpu()
         if clip:
