@@ -8,6 +8,8 @@ optimizer step) and writes `arms/<arm>/accumulation_check.json`; this module tur
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,12 +17,30 @@ from typing import Any
 from ..adapters.accumulation_check import CHECK_FILE_NAME
 from .arms import ArmSpec, arm_dir
 
+logger = logging.getLogger(__name__)
+
 
 def with_verification(argv: Sequence[str], training_args: Any) -> list[str]:
     """`argv` plus `--verify_accumulation first_step` unless the check was configured (`--verify_accumulation off`
-    on the command line skips it)."""
+    on the command line skips it). Not under an FSDP launch (`ACCELERATE_USE_FSDP`): the check needs a second,
+    unsharded copy of the parameters, so `GradAccumTrainer` refuses it under FSDP2; the report then says no check ran.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.harness.verification_report import with_verification
+    >>> with_verification(["--max_steps", "2"], None)  # outside an FSDP launch
+    ['--max_steps', '2', '--verify_accumulation', 'first_step']
+    ```
+    """
     argv = list(argv)
     if "--verify_accumulation" in argv or getattr(training_args, "verify_accumulation", "off") != "off":
+        return argv
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
+        logger.warning(
+            "FSDP launch: the arms' split-invariance check (`verify_accumulation`) is skipped, since it cannot run on "
+            "sharded parameters. Check the model once on one process with `hf-gradaccum verify`."
+        )
         return argv
     return [*argv, "--verify_accumulation", "first_step"]
 
