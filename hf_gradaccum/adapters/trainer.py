@@ -159,7 +159,7 @@ class GradAccumTrainer(Trainer):
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
             # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
-            overlap_reduction=gradaccum_option(self.args, "overlap_reduction") and not self._oom_proof,
+            overlap_reduction=False if self._oom_proof else gradaccum_option(self.args, "overlap_reduction"),
             bucket_cap_mb=self.args.ddp_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
         )

@@ -119,11 +119,14 @@ class GradientAccumulator:
         reduce_gradients (`bool`, *optional*):
             All-reduce buffers and counts across `torch.distributed` ranks at the end of each window. Defaults to
             `True` when a process group with more than one rank is initialised.
-        overlap_reduction (`bool`, *optional*, defaults to `True`):
+        overlap_reduction (`bool`, *optional*):
             DDP (replicated buffers, more than one rank): all-reduce the buffer in buckets during the window's last
             backward, as each bucket's gradients become final, instead of after it (`overlap.py`). Same results.
-            Needs the process group at construction and the accumulator constructed on every rank; windows cannot
-            be discarded once their reduction has started, so turn it off for out-of-memory retries.
+            `None` (default): on when the buffer is on an accelerator (NCCL overlaps on its own streams), off on
+            CPU, where gloo's reduction competes with the backward for the same cores (measured: 1.05x DDP's step
+            time at one micro-batch per window, no gain at 4 and 16; docs/ddp_overlap.md). Needs the process group
+            at construction and the accumulator constructed on every rank; windows cannot be discarded once their
+            reduction has started, so turn it off for out-of-memory retries.
         bucket_cap_mb (`float`, *optional*, defaults to 25):
             Bucket size for `overlap_reduction`, like DDP's `bucket_cap_mb`.
         fsdp_reduce_schedule (`str`, *optional*, defaults to `"every_micro_batch"`):
@@ -161,7 +164,7 @@ class GradientAccumulator:
         overflow_policy: str = "recompute",
         max_recompute_attempts: int = 8,
         reduce_gradients: bool | None = None,
-        overlap_reduction: bool = True,
+        overlap_reduction: bool | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         fsdp_reduce_schedule: str = "every_micro_batch",
     ) -> None:
@@ -174,8 +177,8 @@ class GradientAccumulator:
         self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
-        if not isinstance(overlap_reduction, bool):
-            raise ValueError(f"`overlap_reduction` must be True or False, got {overlap_reduction!r}.")
+        if overlap_reduction is not None and not isinstance(overlap_reduction, bool):
+            raise ValueError(f"`overlap_reduction` must be None (auto), True or False, got {overlap_reduction!r}.")
         bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
 
         refuse_sharded_engines(model)
@@ -202,7 +205,7 @@ class GradientAccumulator:
         self._overlap = OverlappedReduction.for_accumulator(
             self.buffers,
             reduce_gradients,
-            overlap_reduction and not self.sharded,
+            False if self.sharded else overlap_reduction,
             bucket_cap_mb,
         )
         self.fsdp_schedule = make_fsdp_reduce_schedule(

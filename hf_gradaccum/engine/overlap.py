@@ -147,13 +147,18 @@ class OverlappedReduction:
 
     @classmethod
     def for_accumulator(
-        cls, buffers: FlatGradientBuffers, reduce_gradients: bool | None, enabled: bool, bucket_cap_mb: float
+        cls, buffers: FlatGradientBuffers, reduce_gradients: bool | None, enabled: bool | None, bucket_cap_mb: float
     ) -> OverlappedReduction | None:
         """The overlapped reduction for replicated buffers reduced over more than one rank, or `None` (no overlap:
-        disabled, one process, or no process group yet, in which case the window end reduces the whole buffer)."""
+        disabled, one process, or no process group yet, in which case the window end
+        reduces the whole buffer). `enabled=None` means on for accelerator buffers, off for CPU ones."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
-        if not enabled or reduce_gradients is False or not initialized or dist.get_world_size() <= 1:
+        if reduce_gradients is False:
+            return None
+        if enabled is None:
+            enabled = buffers.first_device.type != "cpu"
+        if not enabled or not initialized or dist.get_world_size() <= 1:
             return None
         # A group of our own for the buckets (why: module docstring). `new_group` must run on every rank in the same
         # order, which constructing the accumulator on every rank does.

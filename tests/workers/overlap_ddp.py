@@ -113,6 +113,10 @@ def fp32_windows(accelerator, rank, record) -> None:
     record["buckets"] = len(ours._overlap.buckets)
     record["bucket_params"] = [list(b.params) for b in ours._overlap.buckets]
     record["no_overlap_object"] = runs[False][2]._overlap is None
+    # The default (None) on CPU buffers: off (gloo's reduction competes with the backward for the same cores).
+    record["auto_overlap_on_cpu"] = (
+        GradientAccumulator([torch.nn.Parameter(torch.zeros(2))], STEPS)._overlap is not None
+    )
     record["bitwise_equal_after_window"] = []
     record["launched_during_backward"] = []
     record["applied"] = []
