@@ -10,7 +10,8 @@ from tests.multiprocess import launch
 from tests.workers import ddp_workers
 
 
-@pytest.mark.parametrize("case_name", ["bert_seq_cls", "gpt2_causal_lm"])
+# GPT-2 (shifted labels, token counts per rank) in the slow run only: the default run stays under 10 minutes.
+@pytest.mark.parametrize("case_name", ["bert_seq_cls", pytest.param("gpt2_causal_lm", marks=pytest.mark.slow)])
 def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
     launch("plain_loop_parity", case_name, str(tmp_path))
     records = [json.loads((tmp_path / f"{case_name}_rank{r}.json").read_text()) for r in (0, 1)]
@@ -48,6 +49,12 @@ def test_trainer_fsdp1_is_refused_and_plain_fsdp2_accepted(tmp_path):
         assert messages["cpu_fsdp_enabled"] is False  # Accelerate shards only on GPU-type devices: DDP, warned
         assert "plain" not in messages and messages["plain_sharded"] is True
         assert "did not shard" in messages["partly_sharded"] and "classifier.weight" in messages["partly_sharded"]
+        assert "`reduce_gradients=False` cannot be used with an FSDP2 model" in messages["no_reduce_sharded"]
+        assert "`auto_find_batch_size=True` is not supported under FSDP2" in messages["fsdp2_auto_find_batch_size"]
+        zero = messages["zero_item_masked_mean"]
+        assert zero["applied"] is False and zero["skipped"] == {"non_finite_grad": 1} and zero["weights_unchanged"]
+    # The rank that ran the item-less micro-batch says why its window was skipped and what to change.
+    assert json.loads((tmp_path / "refused_rank1.json").read_text())["zero_item_masked_mean"]["hint_logged"]
 
 
 def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(tmp_path):
@@ -66,6 +73,7 @@ def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(
     assert records[0]["grad_norms"] == records[1]["grad_norms"]  # the global norm, not each rank's shard
 
 
+@pytest.mark.slow  # 70 s: two arms, each a 2-process job
 def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):
     """`accelerate launch` of the BERT recipe on 2 CPU processes (tiny config): each arm runs as a 2-rank job, the
     effective batch counts both ranks, and the accumulated arm still matches the large batch step for step."""

@@ -83,3 +83,35 @@ def test_trainer_arguments_refuse_an_unknown_schedule_before_training():
 
     with pytest.raises(ValueError, match=r"`fsdp_reduce_schedule` must be one of \('every_micro_batch', 'once_per"):
         GradAccumArguments("out", use_cpu=True, report_to=[], fsdp_reduce_schedule="sometimes")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({}, "needs FSDP2"),  # one CPU process: nothing is sharded
+        ({"fp16": True}, "needs FSDP2"),
+    ],
+)
+def test_trainer_refuses_once_per_window_without_fsdp2_at_construction(overrides, message):
+    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+    from tests.parity_cases import CASES
+
+    case = next(c for c in CASES if c.name == "bert_seq_cls")
+    args = GradAccumArguments(
+        "out", use_cpu=True, report_to=[], fsdp_reduce_schedule="once_per_window", save_strategy="no", **overrides
+    )
+    with pytest.raises(ValueError, match=message):
+        GradAccumTrainer(model=case.make_model(), args=args, train_dataset=case.make_data(4, torch.Generator()))
+
+
+def test_once_per_window_with_fp16_recompute_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from hf_gradaccum.adapters.sharding import _check_reduce_schedule
+
+    args = SimpleNamespace(fsdp_reduce_schedule="once_per_window", fp16=True, overflow_policy="recompute")
+    with pytest.raises(ValueError, match="needs `overflow_policy='skip'`"):
+        _check_reduce_schedule(args, fsdp2=True)
+    _check_reduce_schedule(
+        SimpleNamespace(fsdp_reduce_schedule="once_per_window", fp16=True, overflow_policy="skip"), True
+    )

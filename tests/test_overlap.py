@@ -69,6 +69,7 @@ def test_overlapped_reduction_equals_window_end_reduction_on_two_processes(tmp_p
         buckets = r["buckets"]
         assert buckets >= 4 and r["no_overlap_object"]
         assert r["auto_overlap_on_cpu"] is False
+        assert r["stop_overlapping"] == [True, True]
         # Every window: the same weights as the window-end reduction, bit for bit, and both ranks in step.
         assert all(r["bitwise_equal_after_window"]) and r["ranks_bitwise_equal"]
         assert r["err_overlap"] <= RTOL and r["err_window_end"] <= RTOL

@@ -44,6 +44,8 @@ def check_trainer_engine(trainer: Any) -> None:
             "(`gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`) with the stock Trainer."
         )
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    fsdp2 = trainer.is_fsdp_enabled and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
+    _check_reduce_schedule(trainer.args, fsdp2)
     if not trainer.is_fsdp_enabled or plugin is None:
         if getattr(trainer.args, "fsdp", None):
             logger.warning(
@@ -66,7 +68,33 @@ def check_trainer_engine(trainer: Any) -> None:
             "parameters, which FSDP2 shards). Set `verify_accumulation='off'` and check the model once on one process "
             "with `hf-gradaccum verify` or `verify_split_invariance`."
         )
+    if trainer.args.auto_find_batch_size and trainer.args.world_size > 1:
+        raise ValueError(
+            "`auto_find_batch_size=True` is not supported under FSDP2 with more than one process: the out-of-memory "
+            "retry redoes a window on the rank that ran out of memory alone, but every FSDP2 forward and backward is "
+            "a collective, so the ranks would fall out of step. Set `auto_find_batch_size=False` and choose "
+            "`per_device_train_batch_size` (hf_gradaccum.plan_micro_batches helps), or use DDP."
+        )
     _reduce_in_fp32(plugin)
+
+
+def _check_reduce_schedule(args: Any, fsdp2: bool) -> None:
+    """`fsdp_reduce_schedule="once_per_window"` needs FSDP2 and cannot take back an fp16 overflow: refuse both before
+    training instead of when the accumulator is built at the first step."""
+    if gradaccum_option(args, "fsdp_reduce_schedule") != "once_per_window":
+        return
+    if not fsdp2:
+        raise ValueError(
+            "`fsdp_reduce_schedule='once_per_window'` needs FSDP2 (`fsdp_version: 2` with Accelerate's FSDP plugin, "
+            "which Accelerate sets up only on GPUs); this run is not sharded. Use `fsdp_reduce_schedule="
+            "'every_micro_batch'` (allowed values: 'every_micro_batch', 'once_per_window')."
+        )
+    if args.fp16 and gradaccum_option(args, "overflow_policy") == "recompute":
+        raise ValueError(
+            "`fsdp_reduce_schedule='once_per_window'` with fp16 needs `overflow_policy='skip'`: FSDP2 sums the "
+            "window's unsharded gradients itself, so an overflowing micro-batch cannot be recomputed alone. Use "
+            "`overflow_policy='skip'` or `fsdp_reduce_schedule='every_micro_batch'`."
+        )
 
 
 def _reduce_in_fp32(plugin: Any) -> None:

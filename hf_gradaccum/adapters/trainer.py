@@ -543,6 +543,9 @@ class GradAccumTrainer(Trainer):
             )
         acc.load_state_dict(state["accumulator"])
         self.micro_batch_chunk_size = state.get("micro_batch_chunk_size")
+        if self.micro_batch_chunk_size is not None:
+            # The run being resumed shrank its micro-batch after an OOM: each micro-batch is now several backwards.
+            acc.stop_overlapping()
         logger.info("Restored accumulator state from %s: %s", path, acc.metrics())
 
     # ------------------------------------------------------------------ scheduler and logging

@@ -199,9 +199,15 @@ class GradientAccumulator:
         self._fsdp_modules = prepare_fsdp2_for_summing(model) if self.sharded and isinstance(model, nn.Module) else []
         if self.sharded:
             refuse_unsharded_trainable_parameters(model, self.parameters)
+            if reduce_gradients is False:
+                raise ValueError(
+                    "`reduce_gradients=False` cannot be used with an FSDP2 model: FSDP2 reduce-scatters every "
+                    "backward, so the ranks' gradients are summed anyway while the items would be counted on this "
+                    "rank only. Leave `reduce_gradients` unset (None) or True."
+                )
         buffer_class = ShardedGradientBuffers if self.sharded else FlatGradientBuffers
         self.buffers = buffer_class(self.parameters, self.accumulation_dtype)
-        # FSDP2 reduce-scatters at every micro-batch instead; its buffers are not all-reduced.
+        # FSDP2 reduce-scatters its sharded buffers itself (per micro-batch or per window); no all-reduce to overlap.
         self._overlap = OverlappedReduction.for_accumulator(
             self.buffers,
             reduce_gradients,
@@ -223,6 +229,7 @@ class GradientAccumulator:
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
 
         self._window: WindowState | None = None
+        self._zero_item_backwards = 0  # FSDP2: weight-0 backwards of item-less micro-batches in this window
         self.micro_step = 0
         self.applied_steps = 0
         self.skipped_steps: Counter[str] = Counter()
@@ -299,6 +306,7 @@ class GradientAccumulator:
         n = self._begin_micro_batch(num_items)
         if n == 0 and not self.sharded:
             return
+        self._zero_item_backwards += n == 0
         self._window.record_loss(loss, n)
         if self._loss_non_finite(loss, n):
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
@@ -325,6 +333,7 @@ class GradientAccumulator:
         n = self._begin_micro_batch(num_items)
         if n == 0 and not self.sharded:
             return compute_loss().detach()
+        self._zero_item_backwards += n == 0
         return accumulate_with_recompute(self, compute_loss, n)
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
@@ -402,9 +411,20 @@ class GradientAccumulator:
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
+        self._zero_item_backwards = 0
         self.fsdp_schedule.discard()
         for p in self.parameters:
             p.grad = None
+
+    def stop_overlapping(self) -> None:
+        """
+        Reduce at the window end from now on (DDP). For a caller that splits each micro-batch into several calls of
+        [`backward`] (the Trainer's out-of-memory chunks): the accumulator would count the chunks as micro-batches
+        and launch the buckets during the wrong one. Between windows only.
+        """
+        if self._overlap is not None:
+            self._overlap.ensure_idle("stop_overlapping()")
+            self._overlap = None
 
     # ------------------------------------------------------------------ window end
     def finish_window(self) -> WindowResult:
@@ -464,6 +484,16 @@ class GradientAccumulator:
             logger.warning(
                 "Skipping optimizer step %d: %s.", self.applied_steps + sum(self.skipped_steps.values()), skip_reason
             )
+            if skip_reason in ("non_finite_grad", "overflow") and self._zero_item_backwards:
+                logger.warning(
+                    "This rank ran %d weight-0 backward(s) for micro-batches without items in this window (FSDP2 needs "
+                    "every rank in every reduce-scatter). If your loss is a hand-written masked mean such as "
+                    "`(loss * mask).sum() / mask.sum()`, its gradient at zero items is NaN even at weight 0, and "
+                    "every such window is skipped: divide by `mask.sum().clamp(min=1)` (F.cross_entropy with "
+                    "`ignore_index`, as transformers' models use, is fine).",
+                    self._zero_item_backwards,
+                )
+        self._zero_item_backwards = 0
 
         if self.loss_scaler is not None:
             self._update_loss_scale(skip_reason, reduced.backoffs > 0, reduced.min_scale)
@@ -586,6 +616,9 @@ class GradientAccumulator:
                 raise ValueError("The checkpoint has loss-scaler state but this accumulator has no `loss_scaler`.")
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self._window = None
+        self._zero_item_backwards = 0
+        # FSDP2 `once_per_window`: unsynced gradients of the abandoned window must not reach the restored one.
+        self.fsdp_schedule.discard()
         if window is not None:
             self._start_window()
             self.buffers.restore(window["buffers"])

@@ -374,6 +374,56 @@ def sharded_engines_refused(out_dir: str) -> None:
         GradientAccumulator(partly, 2)
     except ValueError as error:
         messages["partly_sharded"] = str(error)
+    try:
+        GradientAccumulator(model, 2, reduce_gradients=False)
+    except ValueError as error:
+        messages["no_reduce_sharded"] = str(error)
+    messages["zero_item_masked_mean"] = masked_mean_with_an_item_less_micro_batch()
+    # Under Accelerate's FSDP2 with 2 processes: an OOM retry on one rank would desynchronise the collectives.
+    fresh_accelerate_state()
+    args = fsdp_trainer_args(os.path.join(out_dir, "oom"), use_cpu=True, auto_find_batch_size=True)
+    use_accelerate_fsdp_on_cpu(2)
+    try:
+        GradAccumTrainer(model=case.make_model(), args=args, train_dataset=case.make_data(4, torch.Generator()))
+    except ValueError as error:
+        messages["fsdp2_auto_find_batch_size"] = str(error)
     rank = torch.distributed.get_rank()
     with open(os.path.join(out_dir, f"refused_rank{rank}.json"), "w") as f:
         json.dump(messages, f)
+
+
+def masked_mean_with_an_item_less_micro_batch() -> dict:
+    """FSDP2, a hand-written masked-mean loss, rank 1's 2nd micro-batch without items: the weight-0 backward that keeps
+    the collectives paired carries NaN gradients (0/0), so the window is skipped on both ranks, never applied, and
+    the warning names the cause and the fix."""
+    import logging
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    fully_shard(model)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    acc = GradientAccumulator(model, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = torch.distributed.get_rank()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("hf_gradaccum.engine.accumulator").addHandler(handler)
+    try:
+        for micro in range(2):
+            x = torch.randn(5, 4)
+            mask = torch.zeros(5) if (rank, micro) == (1, 1) else torch.ones(5)
+            per_row = torch.nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long), reduction="none")
+            acc.backward((per_row * mask).sum() / mask.sum(), num_items=int(mask.sum()))
+        applied = acc.step(optimizer).applied
+    finally:
+        logging.getLogger("hf_gradaccum.engine.accumulator").removeHandler(handler)
+    after = [p.full_tensor() for p in model.parameters()]
+    return {
+        "applied": applied,
+        "skipped": dict(acc.skipped_steps),
+        "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        "hint_logged": any("clamp(min=1)" in m for m in records),
+    }

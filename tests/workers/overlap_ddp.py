@@ -114,6 +114,10 @@ def fp32_windows(accelerator, rank, record) -> None:
     record["bucket_params"] = [list(b.params) for b in ours._overlap.buckets]
     record["no_overlap_object"] = runs[False][2]._overlap is None
     # The default (None) on CPU buffers: off (gloo's reduction competes with the backward for the same cores).
+    stopped = GradientAccumulator([torch.nn.Parameter(torch.zeros(2))], STEPS, overlap_reduction=True)
+    had_overlap = stopped._overlap is not None
+    stopped.stop_overlapping()
+    record["stop_overlapping"] = [had_overlap, stopped._overlap is None]
     record["auto_overlap_on_cpu"] = (
         GradientAccumulator([torch.nn.Parameter(torch.zeros(2))], STEPS)._overlap is not None
     )
