@@ -99,21 +99,7 @@ def trainer_parity(case_name: str, out_dir: str) -> None:
     model = case.make_model()
     initial = copy.deepcopy(model)
     data = case.make_data(16, torch.Generator().manual_seed(2))
-    args = GradAccumArguments(
-        output_dir=os.path.join(out_dir, "trainer"),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        num_train_epochs=1,
-        train_sampling_strategy="sequential",
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    args = sgd_trainer_args(os.path.join(out_dir, "trainer"), gradient_accumulation_steps=2)
     trainer = GradAccumTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     rank = trainer.args.process_index
@@ -224,11 +210,12 @@ def use_accelerate_fsdp_on_cpu(fsdp_version: int) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def fsdp_trainer_args(out_dir: str, **overrides) -> GradAccumArguments:
+def sgd_trainer_args(out_dir: str, **overrides) -> GradAccumArguments:
+    """Plain SGD at lr 1, constant schedule, no clipping, sequential batches of 2 on CPU: one optimizer step per
+    window is then exactly `weights - mean gradient`, which the large-batch references reproduce."""
     args = dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=3,
         learning_rate=1.0,
         optim="sgd",
         lr_scheduler_type="constant",
@@ -239,9 +226,12 @@ def fsdp_trainer_args(out_dir: str, **overrides) -> GradAccumArguments:
         save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
-        seed=0,
     )
-    args = GradAccumArguments(**{**args, **overrides})
+    return GradAccumArguments(**{**args, **overrides})
+
+
+def fsdp_trainer_args(out_dir: str, **overrides) -> GradAccumArguments:
+    args = sgd_trainer_args(out_dir, **{"gradient_accumulation_steps": 3, "seed": 0, **overrides})
     _ = args.device  # resolves Accelerate's state before the FSDP gate is flipped
     return args
 
