@@ -10,8 +10,9 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch; under DDP in buckets launched during the window's last backward (`overlap.py`). fp16 overflows redo one micro-batch (`recompute.py`); the window's running totals live in
-`window.py`.
+once per micro-batch; on GPUs in buckets launched during the window's last backward (`overlap.py`). FSDP2 models
+keep sharded buffers (`sharded.py`, `fsdp_schedule.py`). fp16 overflows redo one micro-batch (`recompute.py`); the
+window's running totals live in `window.py`.
 """
 
 from __future__ import annotations
@@ -299,9 +300,10 @@ class GradientAccumulator:
                 micro-batch equally, which is only exact when they all hold the same number of items.
 
         A micro-batch with zero items contributes nothing (its mean is 0/0). Under FSDP2 it still runs a backward
-        with weight 0, because every rank must join each micro-batch's reduce-scatter. A non-finite loss is not back-propagated
-        at all; the window it belongs to is skipped at [`finish_window`]. Under fp16 loss scaling this method cannot
-        re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`] for `"recompute"`.
+        with weight 0, because every rank must join each micro-batch's reduce-scatter. A non-finite loss is not
+        back-propagated at all; the window it belongs to is skipped at [`finish_window`]. Under fp16 loss scaling
+        this method cannot re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`]
+        for `"recompute"`.
         """
         n = self._begin_micro_batch(num_items)
         if n == 0 and not self.sharded:

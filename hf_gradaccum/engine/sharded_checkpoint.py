@@ -1,4 +1,5 @@
-"""`AccumulatorCheckpoint`: the state of a [`GradientAccumulator`] on an FSDP2 model, for `torch.distributed.checkpoint`.
+"""`AccumulatorCheckpoint`: the state of a [`GradientAccumulator`] on an FSDP2 model, for
+`torch.distributed.checkpoint`.
 
 A mid-window checkpoint must hold the partial sums of the window. Under FSDP2 they are sharded like the parameters
 (`ShardedGradientBuffers`), so they are saved the way FSDP2 saves parameters: as `DTensor`s, one shard written per
