@@ -131,11 +131,20 @@ class OncePerWindow(FSDPReduceSchedule):
                 "`fsdp_reduce_schedule='once_per_window'` needs a model sharded with FSDP2 (`fully_shard`); "
                 "pass the module itself. Without FSDP2 the accumulator already reduces once per window."
             )
-        inexact = {
-            name: dtype
-            for name, dtype in no_sync_accumulation_dtypes(model, self.modules).items()
-            if dtype.itemsize < 4
-        }
+        try:
+            # The flush at a partial window's end drives FSDP2's own post-backward: private API, read from torch 2.13.
+            from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # noqa: F401
+
+            for group in _param_groups(self.modules):
+                group.post_backward, group.finalize_backward  # noqa: B018 (AttributeError if torch changed them)
+            accumulation_dtypes = no_sync_accumulation_dtypes(model, self.modules)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(
+                "`fsdp_reduce_schedule='once_per_window'` relies on FSDP2 internals that this torch "
+                f"({torch.__version__}) does not have as torch 2.13 does ({error!r}). Use "
+                "`fsdp_reduce_schedule='every_micro_batch'`, which needs only FSDP2's public API."
+            ) from error
+        inexact = {name: dtype for name, dtype in accumulation_dtypes.items() if dtype.itemsize < 4}
         if inexact:
             name, dtype = next(iter(inexact.items()))
             raise ValueError(
