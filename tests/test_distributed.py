@@ -32,7 +32,7 @@ def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
     )
 
 
-@pytest.mark.parametrize("case_name", ["bert_seq_cls", "gpt2_causal_lm"])
+@pytest.mark.parametrize("case_name", ["bert_seq_cls", pytest.param("gpt2_causal_lm", marks=pytest.mark.slow)])
 def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
     launch("trainer_parity", case_name, str(tmp_path))
     for r in (0, 1):
