@@ -210,3 +210,158 @@ def test_finite_check_is_exact_even_when_the_fast_sum_overflows(dtype):
         tensor = torch.ones(1000, dtype=dtype)
         tensor[: len(bad)] = torch.tensor(bad, dtype=dtype)
         assert not _all_finite(tensor), bad
+
+
+# ------------------------------------------------------------------ `backward(loss, batch=...)` and `flush`
+def _batches(data, micro_sizes):
+    """A generator of collated micro-batches: a loader without `len()`."""
+    start = 0
+    for size in micro_sizes:
+        yield default_data_collator([data[j] for j in range(start, start + size)])
+        start += size
+
+
+def _loop_counting_with(model, loader, steps, count):
+    """The README's plain loop: step at each full window, `flush` the partial one after the loop."""
+    model = copy.deepcopy(model)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    acc = GradientAccumulator(model, gradient_accumulation_steps=steps)
+    for batch in loader:
+        loss = model(**batch).loss
+        if count == "batch":
+            acc.backward(loss, batch=batch)
+        else:
+            acc.backward(loss, num_items=count(batch))
+        if acc.sync_gradients:
+            acc.step(optimizer)
+    flushed = acc.flush(optimizer)
+    return model, acc, flushed
+
+
+@pytest.mark.parametrize("name", ["gpt2_causal_lm", "bert_seq_cls", "bert_token_cls"])
+def test_backward_with_batch_counts_items_as_the_model_does(name):
+    case = CASE_BY_NAME[name]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(17, torch.Generator().manual_seed(3))
+    micro_sizes, steps = [5, 1, 4, 7], 3  # windows [5, 1, 4] and [7]: the last one partial, found by `flush`
+    reference = large_batch_reference(case, model, data, [list(range(10)), list(range(10, 17))])
+
+    trained, acc, flushed = _loop_counting_with(model, _batches(data, micro_sizes), steps, "batch")
+    assert acc.loss_shifts_labels is case.shift_labels
+    err = relative_update_error(model, trained, reference)
+    print(f"backward(batch=) {name}: relative update error {err:.2e}")
+    assert err <= RTOL
+    assert acc.applied_steps == 2 and flushed is not None and flushed.micro_steps == 1
+
+    if case.shift_labels:
+        # The trap `batch=` removes: counting a causal LM's labels unshifted over-counts by one token per row.
+        naive, _, _ = _loop_counting_with(model, _batches(data, micro_sizes), steps, count_items_in_batch)
+        naive_err = relative_update_error(model, naive, reference)
+        print(f"count_items_in_batch unshifted {name}: relative update error {naive_err:.2e}")
+        assert naive_err > 100 * RTOL
+
+
+def test_flush_after_a_loader_without_len_steps_the_partial_window_once():
+    case = CASE_BY_NAME["bert_seq_cls"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(11, torch.Generator().manual_seed(5))
+
+    class Loader:  # iterable, no `__len__`
+        def __iter__(self):
+            return _batches(data, [3, 3, 3, 2])
+
+    assert not hasattr(Loader(), "__len__")
+    # Windows [3, 3] and [3, 2]... with steps=3: [3, 3, 3] and the partial [2].
+    trained, acc, flushed = _loop_counting_with(model, Loader(), 3, count_items_in_batch)
+    reference = large_batch_reference(case, model, data, [list(range(9)), [9, 10]])
+    err = relative_update_error(model, trained, reference)
+    print(f"flush of a partial window: relative update error {err:.2e}")
+    assert err <= RTOL
+    assert flushed.applied and flushed.micro_steps == 1 and flushed.num_items == 2
+    assert acc.applied_steps == 2
+
+    # Nothing pending: a no-op that leaves the optimizer's state alone.
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1.0)
+    snapshot = _adamw_snapshot(trained, optimizer)
+    assert acc.flush(optimizer) is None
+    _assert_untouched(trained, optimizer, snapshot)
+
+
+def test_flush_is_a_no_op_after_a_full_last_window():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = GradientAccumulator(model, 2)
+    for _ in range(4):
+        acc.backward(model(torch.randn(3, 2)).pow(2).mean(), num_items=3)
+        if acc.sync_gradients:
+            acc.step(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert acc.flush(optimizer) is None
+    assert acc.applied_steps == 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_backward_with_batch_refuses_what_it_cannot_count():
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3, dtype=torch.long)}
+    model = torch.nn.Linear(2, 1)
+    loss = model(torch.randn(2, 2)).mean()
+    for acc, match in [
+        (GradientAccumulator(list(model.parameters()), 2), "given parameters"),
+        (GradientAccumulator(model, 2), "`Linear` that is not a transformers model"),
+    ]:
+        assert acc.loss_shifts_labels is None
+        with pytest.raises(ValueError, match=match) as excinfo:
+            acc.backward(loss, batch=batch)
+        assert "num_items" in str(excinfo.value)
+        with pytest.raises(ValueError, match="num_items"):
+            acc.accumulate_micro_batch(lambda: loss, batch=batch)
+        assert acc.micro_step == 0  # refused before any work
+    gpt2 = CASE_BY_NAME["gpt2_causal_lm"].make_model()
+    acc = GradientAccumulator(gpt2, 2)
+    with pytest.raises(ValueError, match="either `num_items` or `batch`"):
+        acc.backward(loss, num_items=3, batch=batch)
+    with pytest.raises(ValueError, match="`batch` must be a mapping"):
+        acc.backward(loss, batch=[1, 2])
+    assert acc.micro_step == 0
+
+
+def test_accumulate_micro_batch_with_batch_counts_shifted_items():
+    case = CASE_BY_NAME["gpt2_causal_lm"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(6, torch.Generator().manual_seed(1))
+    acc = GradientAccumulator(model, 2)
+    for batch in _batches(data, [4, 2]):
+        acc.accumulate_micro_batch(lambda batch=batch: model(**batch).loss, batch=batch)
+    result = acc.finish_window()
+    labels = default_data_collator([data[j] for j in range(6)])["labels"]
+    assert result.num_items == int(labels[:, 1:].ne(-100).sum())
+
+
+def test_engine_recognises_causal_lms_by_duck_typing_alone():
+    """The engine's inspection (no transformers registries) on what `batch=` meets: wrappers, heads, a loss set on
+    the instance."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    from hf_gradaccum.engine.model_inspection import loss_shifts_labels
+
+    gpt2 = CASE_BY_NAME["gpt2_causal_lm"].make_model()
+    config = BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    bert_cls, bert_mlm = BertForSequenceClassification(config), BertForMaskedLM(config)
+    assert loss_shifts_labels(gpt2) is True
+    assert loss_shifts_labels(torch.compile(gpt2)) is True
+    assert loss_shifts_labels(torch.nn.DataParallel(gpt2)) is True
+    assert loss_shifts_labels(bert_cls) is False
+    assert loss_shifts_labels(bert_mlm) is False
+    assert loss_shifts_labels(torch.nn.Linear(2, 2)) is None
+
+    def ForCausalLMLoss(*args, **kwargs):  # noqa: N802 - the name is what is recognised
+        raise AssertionError("not called")
+
+    bert_mlm.loss_function = ForCausalLMLoss
+    assert loss_shifts_labels(bert_mlm) is True

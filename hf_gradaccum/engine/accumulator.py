@@ -21,19 +21,26 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .buffers import FlatGradientBuffers, resolve_accumulation_dtype
+from .buffers import resolve_accumulation_dtype
 from .fsdp_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
+from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
+from .model_inspection import loss_shifts_labels
 from .overlap import DEFAULT_BUCKET_CAP_MB, OverlappedReduction, validate_bucket_cap_mb
-from .recompute import accumulate_with_recompute, gradients_overflowed
+from .recompute import UnfoldedBackward, accumulate_with_recompute, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
-from .sharded import ShardedGradientBuffers, agree_any, is_dtensor, prepare_fsdp2_for_summing
+from .sharded import (  # noqa: F401  (the refusals are re-exported from their old home)
+    gradient_buffers_for,
+    is_dtensor,
+    refuse_sharded_engines,
+    refuse_unsharded_trainable_parameters,
+)
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -47,53 +54,6 @@ __all__ = ["OVERFLOW_POLICIES", "GradientAccumulator", "WindowResult", "resolve_
 def validate_accumulation_steps(steps: Any, name: str = "gradient_accumulation_steps") -> int:
     """Return `steps` if it is an `int >= 1`; otherwise raise a `ValueError` naming `name`."""
     return check_positive_int(steps, name)
-
-
-def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
-    """
-    DeepSpeed and FSDP1 (`FullyShardedDataParallel`) accumulate and reduce gradients themselves, so the buffers
-    cannot sit between backward and the optimizer: refuse them with an error that says what to use, instead of
-    training wrong. FSDP2 (`fully_shard`) is supported (sharded buffers, `sharded.py`); DTensor parameters without
-    FSDP2 (tensor parallelism) are refused.
-    """
-    if not isinstance(model, nn.Module):
-        if any(is_dtensor(p) for p in model):
-            raise ValueError(
-                "GradientAccumulator needs the `nn.Module` (not its parameters) for FSDP2/DTensor models, so it can "
-                "make the reduce-scatter sum (gradient divide factor 1.0)."
-            )
-        return
-    engine = None
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-        engine = "FSDP1 (FullyShardedDataParallel)"
-    elif type(model).__name__ == "DeepSpeedEngine":
-        engine = "DeepSpeed"
-    elif any(is_dtensor(p) for p in model.parameters()) and not prepare_fsdp2_for_summing(model):
-        engine = "tensor parallelism (DTensor parameters without FSDP2)"
-    if engine is not None:
-        raise ValueError(
-            f"GradientAccumulator does not support {engine}: the engine shards and reduces gradients itself. Use DDP "
-            "or FSDP2 (`torch.distributed.fsdp.fully_shard`) with hf_gradaccum, or the engine's own gradient "
-            "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
-        )
-
-
-def refuse_unsharded_trainable_parameters(model: nn.Module, parameters: list[nn.Parameter]) -> None:
-    """
-    Under FSDP2 only the `DTensor` parameters are reduce-scattered; a plain trainable tensor next to them (e.g. a PEFT
-    adapter attached after `fully_shard`) would be trained on each rank's own data alone. Refuse it, by name.
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    plain = {id(p) for p in parameters if not is_dtensor(p)}
-    if plain:
-        names = [name for name, p in model.named_parameters() if id(p) in plain]
-        raise ValueError(
-            f"FSDP2 model with trainable parameters that `fully_shard` did not shard: {names[:5]}"
-            f"{' ...' if len(names) > 5 else ''}. Their gradients would not be reduced across ranks. Apply "
-            "`fully_shard` after adding them (e.g. after attaching PEFT adapters), or freeze them."
-        )
 
 
 class GradientAccumulator:
@@ -120,14 +80,15 @@ class GradientAccumulator:
         reduce_gradients (`bool`, *optional*):
             All-reduce buffers and counts across `torch.distributed` ranks at the end of each window. Defaults to
             `True` when a process group with more than one rank is initialised.
-        overlap_reduction (`bool`, *optional*):
+        overlap_reduction (`bool`, *optional*, defaults to `False`):
             DDP (replicated buffers, more than one rank): all-reduce the buffer in buckets during the window's last
             backward, as each bucket's gradients become final, instead of after it (`overlap.py`). Same results.
-            `None` (default): on when the buffer is on an accelerator (NCCL overlaps on its own streams), off on
-            CPU, where gloo's reduction competes with the backward for the same cores (measured: 1.05x DDP's step
-            time at one micro-batch per window, no gain at 4 and 16; docs/ddp_overlap.md). Needs the process group
-            at construction and the accumulator constructed on every rank; windows cannot be discarded once their
-            reduction has started, so turn it off for out-of-memory retries.
+            Off by default: it has been measured only on CPU with gloo, where it is no faster (1.05x DDP's step time
+            at one micro-batch per window, no gain at 4 and 16; docs/ddp_overlap.md), and it has never run on a GPU,
+            where it would matter; a default should be something that ran. `True` turns it on; `None` is the old
+            "auto" (on for accelerator buffers, off on CPU). Needs the process group at construction and the
+            accumulator constructed on every rank; windows cannot be discarded once their reduction has started, so
+            leave it off for out-of-memory retries.
         bucket_cap_mb (`float`, *optional*, defaults to 25):
             Bucket size for `overlap_reduction`, like DDP's `bucket_cap_mb`.
         fsdp_reduce_schedule (`str`, *optional*, defaults to `"every_micro_batch"`):
@@ -144,15 +105,21 @@ class GradientAccumulator:
     >>> model = torch.nn.Linear(4, 2)
     >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> accumulator = GradientAccumulator(model, gradient_accumulation_steps=2)
-    >>> batches = [(torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(4)]
-    >>> for i, (x, y) in enumerate(batches):
+    >>> loader = ((torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(5))  # a generator: no len()
+    >>> for x, y in loader:
     ...     loss = torch.nn.functional.cross_entropy(model(x), y)
     ...     accumulator.backward(loss, num_items=len(y))
-    ...     if accumulator.sync_gradients or i == len(batches) - 1:
+    ...     if accumulator.sync_gradients:
     ...         result = accumulator.step(optimizer, max_grad_norm=1.0)
+    >>> result = accumulator.flush(optimizer, max_grad_norm=1.0)  # the partial last window (1 of 2 micro-batches)
     >>> accumulator.applied_steps
-    2
+    3
     ```
+
+    The loop steps at each full window (`sync_gradients`); after it, [`flush`] steps on what is left, a partial
+    window of fewer micro-batches, with the same exactness (its mean divides by its own items), and does nothing when
+    the loader's length was a multiple of `gradient_accumulation_steps`. So the loader needs no `len()`. For a
+    transformers model, `accumulator.backward(loss, batch=batch)` counts the items as the model's loss does.
     """
 
     def __init__(
@@ -165,7 +132,7 @@ class GradientAccumulator:
         overflow_policy: str = "recompute",
         max_recompute_attempts: int = 8,
         reduce_gradients: bool | None = None,
-        overlap_reduction: bool | None = None,
+        overlap_reduction: bool | None = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         fsdp_reduce_schedule: str = "every_micro_batch",
     ) -> None:
@@ -183,6 +150,14 @@ class GradientAccumulator:
         bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
 
         refuse_sharded_engines(model)
+        # What `backward(loss, batch=...)` counts: learned once, by duck typing (the engine does not import
+        # transformers), from the model itself; parameters carry no such knowledge.
+        self._model_kind = (
+            f"`{type(model).__name__}` that is not a transformers model with a recognisable loss"
+            if isinstance(model, nn.Module)
+            else "parameters"
+        )
+        self._loss_shifts_labels = loss_shifts_labels(model) if isinstance(model, nn.Module) else None
         params = model.parameters() if isinstance(model, nn.Module) else model
         seen: set[int] = set()
         self.parameters: list[nn.Parameter] = []
@@ -193,27 +168,13 @@ class GradientAccumulator:
         if not self.parameters:
             raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
 
-        # FSDP2: each rank holds only its shard of the buffer, filled from the reduce-scattered gradients; the
-        # reduce-scatter sums (divide factor 1.0, set by `refuse_sharded_engines`) and each rank's loss carries
-        # its own item weight, since weights differ between ranks and cannot be applied after the reduction.
-        self.sharded = any(is_dtensor(p) for p in self.parameters)
-        self._fsdp_modules = prepare_fsdp2_for_summing(model) if self.sharded and isinstance(model, nn.Module) else []
-        if self.sharded:
-            refuse_unsharded_trainable_parameters(model, self.parameters)
-            if reduce_gradients is False:
-                raise ValueError(
-                    "`reduce_gradients=False` cannot be used with an FSDP2 model: FSDP2 reduce-scatters every "
-                    "backward, so the ranks' gradients are summed anyway while the items would be counted on this "
-                    "rank only. Leave `reduce_gradients` unset (None) or True."
-                )
-        buffer_class = ShardedGradientBuffers if self.sharded else FlatGradientBuffers
-        self.buffers = buffer_class(self.parameters, self.accumulation_dtype)
-        # FSDP2 reduce-scatters its sharded buffers itself (per micro-batch or per window); no all-reduce to overlap.
+        # FSDP2 models get sharded buffers (`sharded.py`), others replicated ones (`buffers.py`). What differs between
+        # the two (where the item weight is applied, how a micro-batch's flags are agreed, who reduces) is asked of
+        # `self.buffers`, so the loop below has one code path for both.
+        self.buffers = gradient_buffers_for(model, self.parameters, self.accumulation_dtype, reduce_gradients)
+        self.sharded = self.buffers.sharded
         self._overlap = OverlappedReduction.for_accumulator(
-            self.buffers,
-            reduce_gradients,
-            False if self.sharded else overlap_reduction,
-            bucket_cap_mb,
+            self.buffers, reduce_gradients, overlap_reduction, bucket_cap_mb
         )
         self.fsdp_schedule = make_fsdp_reduce_schedule(
             fsdp_reduce_schedule,
@@ -290,14 +251,25 @@ class GradientAccumulator:
         with no_sync() if callable(no_sync) else contextlib.nullcontext():
             yield
 
-    def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        num_items: int | float | torch.Tensor | None = None,
+        *,
+        batch: Mapping[str, Any] | None = None,
+    ) -> None:
         """
         Backward one micro-batch's mean loss, weighted by its item count.
 
         Args:
             loss (`torch.Tensor`): the micro-batch's loss, a mean over its `num_items` items.
-            num_items (`int`, *optional*): items the mean divides by (see [`count_items`]). `None` weights every
-                micro-batch equally, which is only exact when they all hold the same number of items.
+            num_items (`int`, *optional*): items the mean divides by (see [`count_items`]). `None` (and no `batch`)
+                weights every micro-batch equally, which is only exact when they all hold the same number of items.
+            batch (`Mapping`, *optional*): the micro-batch the loss was computed on, instead of `num_items`: the
+                accumulator counts its items itself, as the model's own loss does ([`count_items_in_batch`] with the
+                label shift of a causal LM, learned from the `model` given to the constructor: see
+                [`loss_shifts_labels`]). Raises a `ValueError` when the model was given as parameters or is not a
+                transformers model whose loss it can recognise; pass `num_items` then.
 
         A micro-batch with zero items contributes nothing (its mean is 0/0). Under FSDP2 it still runs a backward
         with weight 0, because every rank must join each micro-batch's reduce-scatter. A non-finite loss is not
@@ -305,8 +277,8 @@ class GradientAccumulator:
         this method cannot re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`]
         for `"recompute"`.
         """
-        n = self._begin_micro_batch(num_items)
-        if n == 0 and not self.sharded:
+        n = self._begin_micro_batch(self._resolve_num_items(num_items, batch))
+        if n == 0 and not self.buffers.backward_without_items:
             return
         self._zero_item_backwards += n == 0
         self._window.record_loss(loss, n)
@@ -317,26 +289,70 @@ class GradientAccumulator:
         self._backward_scaled(loss, n)
 
     def accumulate_micro_batch(
-        self, compute_loss: Callable[[], torch.Tensor], num_items: int | float | torch.Tensor | None = None
+        self,
+        compute_loss: Callable[[], torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+        *,
+        batch: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
         """
         Run `compute_loss()` (the forward pass) and [`backward`] on its result. With an fp16 loss scaler and
         `overflow_policy="recompute"`, an overflowing micro-batch is discarded, the scale backs off, and
-        `compute_loss()` runs again at the new scale; no other micro-batch of the window is redone.
+        `compute_loss()` runs again at the new scale; no other micro-batch of the window is redone. `num_items` and
+        `batch` are as in [`backward`].
 
         Returns:
             `torch.Tensor`: the detached loss of the (last) attempt.
         """
+        num_items = self._resolve_num_items(num_items, batch)
         if self.loss_scaler is None or self.overflow_policy == "skip":
             loss = compute_loss()
             self.backward(loss, num_items)
             return loss.detach()
 
         n = self._begin_micro_batch(num_items)
-        if n == 0 and not self.sharded:
+        if n == 0 and not self.buffers.backward_without_items:
             return compute_loss().detach()
         self._zero_item_backwards += n == 0
-        return accumulate_with_recompute(self, compute_loss, n)
+        recomputed_before = self._window.recomputed
+        loss = accumulate_with_recompute(
+            UnfoldedBackward(self._loss_non_finite, self._backward_unfolded, self._fold_pending, self._drop_pending),
+            compute_loss,
+            n,
+            window=self._window,
+            scaler=self.loss_scaler,
+            max_attempts=self.max_recompute_attempts,
+            micro_step=self.micro_step,
+        )
+        self.recomputed_micro_batches += self._window.recomputed - recomputed_before
+        return loss
+
+    @property
+    def loss_shifts_labels(self) -> bool | None:
+        """Whether the model's own loss shifts its labels (causal LM), as learned from the `model` given to the
+        constructor; `None` when it cannot be told (parameters given, or not a transformers model)."""
+        return self._loss_shifts_labels
+
+    def _resolve_num_items(
+        self, num_items: int | float | torch.Tensor | None, batch: Mapping[str, Any] | None
+    ) -> int | float | torch.Tensor | None:
+        """`num_items`, or the items of `batch` counted as the model's loss counts them; checked before any work."""
+        if batch is None:
+            return num_items
+        if num_items is not None:
+            raise ValueError("Pass either `num_items` or `batch` to the accumulator, not both.")
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"`batch` must be a mapping of the model's inputs (e.g. a dict with `labels`), got {type(batch).__name__}."
+            )
+        if self._loss_shifts_labels is None:
+            given = "parameters, not the model" if self._model_kind == "parameters" else f"a {self._model_kind}"
+            raise ValueError(
+                "`batch=` needs to know whether the model's loss shifts its labels (a causal LM divides by one token "
+                f"fewer per row), and this accumulator cannot tell: it was given {given}. Pass "
+                "`num_items=count_items_in_batch(batch, shift_labels=...)` (or `count_items(...)`) instead."
+            )
+        return count_items_in_batch(batch, shift_labels=self._loss_shifts_labels)
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:
@@ -355,7 +371,7 @@ class GradientAccumulator:
         return n
 
     def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
-        for module in self._fsdp_modules:
+        for module in self.buffers.fsdp_modules:
             # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync` (the
             # Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own reduce
             # dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch fp16 check.
@@ -363,9 +379,9 @@ class GradientAccumulator:
         # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for
         # every micro-batch but the window's last.
         self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
-        scale = self.current_scale
-        # Sharded: the weight goes into the loss, before the reduce-scatter sums the ranks' gradients.
-        loss_factor, self._fold_alpha = (scale * n, 1.0 / scale) if self.sharded else (scale, n / scale)
+        # Replicated: the item weight is applied at the fold; sharded: in the loss, before the reduce-scatter sums
+        # the ranks' gradients (`weighting`).
+        loss_factor, self._fold_alpha = self.buffers.weighting(n, self.current_scale)
         try:
             (loss * loss_factor if loss_factor != 1.0 else loss).backward()
         finally:
@@ -376,26 +392,21 @@ class GradientAccumulator:
         self._defer_fold = True
         try:
             self._backward_scaled(loss, n)
-            return self._agree(gradients_overflowed(self.parameters))
+            return self.buffers.agree(gradients_overflowed(self.parameters))
         finally:
             self._defer_fold = False
 
     def _loss_non_finite(self, loss: torch.Tensor, n: float) -> bool:
         """Whether the micro-batch's loss is inf/NaN (on any rank, when sharded). A zero-item micro-batch's loss is
         0/0 by construction and weighs nothing, so it never counts as non-finite."""
-        return self._agree(n > 0 and not bool(torch.isfinite(loss.detach()).all()))
-
-    def _agree(self, flag: bool) -> bool:
-        """Sharded (FSDP2): the flag OR-ed over ranks, so every rank skips or redoes the same micro-batch (its
-        backward is a collective). Replicated (DDP, one process): the rank's own flag; the window end agrees."""
-        return agree_any(flag, self.buffers.first_device) if self.sharded else flag
+        return self.buffers.agree(n > 0 and not bool(torch.isfinite(loss.detach()).all()))
 
     def _drop_pending(self) -> None:
         for p in self.parameters:
             p.grad = None
 
     def _fold_pending(self, n: float) -> None:
-        self._fold_alpha = (1.0 if self.sharded else n) / self.current_scale
+        self._fold_alpha = self.buffers.weighting(n, self.current_scale)[1]
         try:
             for i, p in enumerate(self.parameters):
                 if p.grad is not None:
@@ -454,15 +465,14 @@ class GradientAccumulator:
             self.current_scale,
             world,
             rank,
-            reduce_buffers=not self.sharded,
+            reduce_buffers=self.buffers.reduced_at_window_end,
             overlap=self._overlap,
         )
         if world > 1:
             self.num_gradient_reductions += 1
             self.num_collectives += collectives
         items, loss_sum = reduced.items, reduced.loss_sum
-        # Each rank sees only its shard: one rank's inf must skip the window on every rank.
-        finite_grads = self.buffers.all_finite_everywhere() if self.sharded else self.buffers.all_finite()
+        finite_grads = self.buffers.all_finite_on_every_rank()
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"
@@ -544,7 +554,7 @@ class GradientAccumulator:
         """
         [`finish_window`], then (only if the window was applied) clip to `max_grad_norm`, `optimizer.step()` and
         `lr_scheduler.step()`; finally `optimizer.zero_grad(set_to_none=True)`. Skipped windows leave the optimizer,
-        its state and the scheduler untouched.
+        its state and the scheduler untouched. After the loop, [`flush`] steps on a partial last window, if any.
         """
         result = self.finish_window()
         if result.applied:
@@ -557,6 +567,45 @@ class GradientAccumulator:
                 lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return result
+
+    def flush(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None = None,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> WindowResult | None:
+        """
+        After the training loop: [`step`] on the partial window still pending (fewer than
+        `gradient_accumulation_steps` micro-batches, when the loader's length is not a multiple of it), or nothing
+        when no micro-batch is pending. The partial window's update is the large-batch step on its own samples.
+        Because it is a no-op after a full window, the loop needs no `len()` of the loader to find its last
+        micro-batch.
+
+        Returns:
+            [`WindowResult`] of the flushed window, or `None` when there was nothing to flush.
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from hf_gradaccum import GradientAccumulator
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> accumulator = GradientAccumulator(model, gradient_accumulation_steps=4)
+        >>> for x in (torch.randn(2, 2) for _ in range(3)):  # 3 micro-batches: the window is never full
+        ...     accumulator.backward(model(x).pow(2).mean(), num_items=2)
+        ...     if accumulator.sync_gradients:
+        ...         accumulator.step(optimizer)
+        >>> accumulator.flush(optimizer).micro_steps
+        3
+        >>> accumulator.flush(optimizer) is None  # nothing pending any more
+        True
+        ```
+        """
+        if self.micro_steps_in_window == 0:
+            return None
+        return self.step(optimizer, lr_scheduler, max_grad_norm=max_grad_norm)
 
     # ------------------------------------------------------------------ state
     def metrics(self) -> dict[str, float]:

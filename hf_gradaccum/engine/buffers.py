@@ -75,8 +75,18 @@ class FlatGradientBuffers:
     ```
     """
 
+    sharded = False
+    """Whether each rank holds only its shard of the gradients (FSDP2, [`ShardedGradientBuffers`])."""
+    reduced_at_window_end = True
+    """Replicated buffers hold each rank's own gradients until the window's end, where they are summed over ranks
+    (all-reduce) next to the window's statistics."""
+    backward_without_items = False
+    """Whether a micro-batch with zero items still needs its backward. Replicated: no, it would add nothing."""
+
     def __init__(self, parameters: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.fsdp_modules: list[nn.Module] = []
+        """The FSDP2 modules whose reduce-scatter fills these buffers (none for replicated buffers)."""
         sizes: dict[torch.device, int] = {}
         for p in parameters:
             sizes[p.device] = sizes.get(p.device, 0) + p.numel()
@@ -110,6 +120,25 @@ class FlatGradientBuffers:
 
     def all_finite(self) -> bool:
         return all(all_finite(b) for b in self.flat.values())
+
+    def all_finite_on_every_rank(self) -> bool:
+        """Whether the window's gradient is finite. Replicated buffers were summed over ranks already, so this rank's
+        answer is every rank's."""
+        return self.all_finite()
+
+    def agree(self, flag: bool) -> bool:
+        """A per-micro-batch decision (skip it, redo it) as the ranks must take it. Replicated: this rank's own
+        flag; nothing is exchanged before the window's end, which agrees on the outcome (`reduction.py`)."""
+        return flag
+
+    def weighting(self, num_items: float, scale: float) -> tuple[float, float]:
+        """
+        `(loss_factor, fold_alpha)` for a micro-batch of `num_items` items at loss scale `scale`: its loss is
+        back-propagated times `loss_factor` and its gradient is folded times `fold_alpha`, so the buffer gains
+        `num_items * grad(mean_loss)`. Replicated: the item weight is applied at the fold (the loss only carries the
+        scale), which keeps the backward's gradients the unweighted ones.
+        """
+        return scale, num_items / scale
 
     def gradient_for(self, index: int, param_dtype: torch.dtype) -> torch.Tensor:
         """The accumulated gradient for `parameters[index]`: the view itself when the dtypes agree (no copy)."""

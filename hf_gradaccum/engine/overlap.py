@@ -154,8 +154,8 @@ class OverlappedReduction:
         reduces the whole buffer). `enabled=None` means on for accelerator buffers, off for CPU ones."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
-        if reduce_gradients is False:
-            return None
+        if reduce_gradients is False or not buffers.reduced_at_window_end:
+            return None  # FSDP2's sharded buffers are reduce-scattered by FSDP2 itself: no all-reduce to overlap
         if enabled is None:
             enabled = buffers.first_device.type != "cpu"
         if not enabled or not initialized or dist.get_world_size() <= 1:

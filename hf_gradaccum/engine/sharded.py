@@ -14,7 +14,7 @@ by its own `n_k^r` before backward. The window's items are then summed over rank
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -112,6 +112,23 @@ class ShardedGradientBuffers(FlatGradientBuffers):
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
 
+    sharded = True
+    reduced_at_window_end = False  # FSDP2 reduce-scattered every micro-batch (or `once_per_window`) already
+    backward_without_items = True  # every rank must join each micro-batch's reduce-scatter, even with no items
+
+    def weighting(self, num_items: float, scale: float) -> tuple[float, float]:
+        """The item weight goes into the loss: ranks' weights differ and the reduce-scatter sums their gradients
+        before the fold sees them, so it could not be applied after."""
+        return scale * num_items, 1.0 / scale
+
+    def agree(self, flag: bool) -> bool:
+        """`flag` OR-ed over ranks ([`agree_any`]): a skipped or redone micro-batch must be the same on every rank."""
+        return agree_any(flag, self.first_device)
+
+    def all_finite_on_every_rank(self) -> bool:
+        """Each rank sees only its shard: one rank's inf must skip the window on every rank."""
+        return self.all_finite_everywhere()
+
     def all_finite_everywhere(self) -> bool:
         """[`all_finite`] agreed over all ranks: a shard's inf on one rank skips the window on every rank."""
         flag = torch.tensor([0.0 if self.all_finite() else 1.0], device=self.first_device)
@@ -133,3 +150,88 @@ def agree_any(flag: bool, device: torch.device) -> bool:
 def local_gradients(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The rank-local tensors of the parameters' `.grad` (DTensor or plain), skipping `None`."""
     return [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in parameters if p.grad is not None]
+
+
+def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
+    """
+    DeepSpeed and FSDP1 (`FullyShardedDataParallel`) accumulate and reduce gradients themselves, so the buffers
+    cannot sit between backward and the optimizer: refuse them with an error that says what to use, instead of
+    training wrong. FSDP2 (`fully_shard`) is supported (sharded buffers); DTensor parameters without FSDP2 (tensor
+    parallelism) are refused.
+    """
+    if not isinstance(model, nn.Module):
+        if any(is_dtensor(p) for p in model):
+            raise ValueError(
+                "GradientAccumulator needs the `nn.Module` (not its parameters) for FSDP2/DTensor models, so it can "
+                "make the reduce-scatter sum (gradient divide factor 1.0)."
+            )
+        return
+    engine = None
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        engine = "FSDP1 (FullyShardedDataParallel)"
+    elif type(model).__name__ == "DeepSpeedEngine":
+        engine = "DeepSpeed"
+    elif any(is_dtensor(p) for p in model.parameters()) and not prepare_fsdp2_for_summing(model):
+        engine = "tensor parallelism (DTensor parameters without FSDP2)"
+    if engine is not None:
+        raise ValueError(
+            f"GradientAccumulator does not support {engine}: the engine shards and reduces gradients itself. Use DDP "
+            "or FSDP2 (`torch.distributed.fsdp.fully_shard`) with hf_gradaccum, or the engine's own gradient "
+            "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
+        )
+
+
+def refuse_unsharded_trainable_parameters(model: nn.Module, parameters: list[nn.Parameter]) -> None:
+    """
+    Under FSDP2 only the `DTensor` parameters are reduce-scattered; a plain trainable tensor next to them (e.g. a PEFT
+    adapter attached after `fully_shard`) would be trained on each rank's own data alone. Refuse it, by name.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    plain = {id(p) for p in parameters if not is_dtensor(p)}
+    if plain:
+        names = [name for name, p in model.named_parameters() if id(p) in plain]
+        raise ValueError(
+            f"FSDP2 model with trainable parameters that `fully_shard` did not shard: {names[:5]}"
+            f"{' ...' if len(names) > 5 else ''}. Their gradients would not be reduced across ranks. Apply "
+            "`fully_shard` after adding them (e.g. after attaching PEFT adapters), or freeze them."
+        )
+
+
+def gradient_buffers_for(
+    model: nn.Module | Iterable[nn.Parameter],
+    parameters: list[nn.Parameter],
+    dtype: torch.dtype,
+    reduce_gradients: bool | None,
+) -> FlatGradientBuffers:
+    """
+    The accumulation buffers `parameters` need: [`ShardedGradientBuffers`] when they are FSDP2's `DTensor`s (after
+    making FSDP2's reduce-scatter sum and refusing what it could not reduce), else replicated
+    [`FlatGradientBuffers`]. Everything that differs between the two lives behind the buffers' interface
+    (`weighting`, `agree`, `all_finite_on_every_rank`, `reduced_at_window_end`, `backward_without_items`).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.sharded import gradient_buffers_for
+    >>> model = torch.nn.Linear(2, 2)
+    >>> type(gradient_buffers_for(model, list(model.parameters()), torch.float32, None)).__name__
+    'FlatGradientBuffers'
+    ```
+    """
+    if not any(is_dtensor(p) for p in parameters):
+        return FlatGradientBuffers(parameters, dtype)
+    # `refuse_sharded_engines` already refused DTensor parameters passed without their module.
+    fsdp_modules = prepare_fsdp2_for_summing(model)
+    refuse_unsharded_trainable_parameters(model, parameters)
+    if reduce_gradients is False:
+        raise ValueError(
+            "`reduce_gradients=False` cannot be used with an FSDP2 model: FSDP2 reduce-scatters every backward, so "
+            "the ranks' gradients are summed anyway while the items would be counted on this rank only. Leave "
+            "`reduce_gradients` unset (None) or True."
+        )
+    buffers = ShardedGradientBuffers(parameters, dtype)
+    buffers.fsdp_modules = fsdp_modules
+    return buffers
