@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -112,7 +113,11 @@ class SplitInvarianceResult:
             raise ValueError(f"`verdict` must be one of {list(VERDICTS)}, got {self.verdict!r}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """A JSON-ready dict (`max_rel_diff` is `None` when nothing was compared, since JSON has no NaN)."""
+        out = asdict(self)
+        if math.isnan(self.max_rel_diff):
+            out["max_rel_diff"] = None
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
