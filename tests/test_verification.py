@@ -173,7 +173,7 @@ def test_sum_loss_fails_as_a_sum(g):
     assert set(found) == {"sum_loss"}
 
 
-def test_loss_averaged_over_rows_but_counted_in_tokens_fails_with_the_denominator_cause(g):
+def test_loss_averaged_over_rows_but_counted_in_tokens_fails_with_the_row_mean_cause(g):
     def per_row_mean(model, batch):  # sum of token losses / rows: a per-sequence loss, while tokens are counted
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
@@ -181,8 +181,10 @@ def test_loss_averaged_over_rows_but_counted_in_tokens_fails_with_the_denominato
 
     model = BertForTokenClassification(bert_config(num_labels=4))
     found = causes(verify_split_invariance(model, text_window(g, labels="token"), loss_fn=per_row_mean))
-    assert set(found) == {"item_count_mismatch"}
-    assert "mean over rows" in found["item_count_mismatch"].detail
+    # Issue 19: a mean over rows is its own cause (`row_mean_loss`, fix: weight by rows), no longer the generic
+    # `item_count_mismatch`.
+    assert set(found) == {"row_mean_loss"}
+    assert "averaged over rows" in found["row_mean_loss"].detail and "by rows" in found["row_mean_loss"].fix
 
 
 def test_causal_lm_counted_unshifted_fails_naming_the_shifted_count(g):

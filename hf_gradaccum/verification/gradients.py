@@ -6,6 +6,7 @@ window in progress nor the accumulator's post-accumulate-grad hooks (which fire 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,20 @@ from torch import nn
 
 LossFn = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
 CountFn = Callable[[dict[str, Any]], float]
+
+
+class ForwardFailed(RuntimeError):
+    """The user's forward, loss or backward raised on a micro-batch of the probe: which one, and where it raised."""
+
+    def __init__(self, error: BaseException, index: int, rows: int) -> None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        self.error, self.index, self.rows, self.where = error, index, rows, where.strip()
+        super().__init__(f"{type(error).__name__}: {error} (micro-batch {index} of {rows} row(s){where})")
+
+
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    return next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), 0)
 
 
 def model_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -63,7 +78,7 @@ def accumulated_gradient(
     """
     `sum_k n_k / N * grad(loss_k)` in fp32 over `micro_batches`, `n_k = count_items(micro_batch_k)`: the gradient
     that exact accumulation applies for this split of the window. Micro-batches with no items are skipped, as their
-    weight is 0.
+    weight is 0. An exception from `loss_fn` or the backward is raised as [`ForwardFailed`] (with the micro-batch).
     """
     counts = [float(count_items(mb)) for mb in micro_batches]
     total = sum(counts)
@@ -71,13 +86,16 @@ def accumulated_gradient(
         raise ValueError(f"`count_items` found no items in the window (counts {counts}): nothing to compare.")
     device = params[0].device
     grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-    for mb, n in zip(micro_batches, counts, strict=True):
+    for index, (mb, n) in enumerate(zip(micro_batches, counts, strict=True)):
         if n == 0:
             continue
-        loss = loss_fn(model, to_device(mb, device))
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            raise ValueError(f"`loss_fn` must return a scalar tensor, got {type(loss).__name__}.")
-        parts = torch.autograd.grad(loss, params, allow_unused=True)
+        try:
+            loss = loss_fn(model, to_device(mb, device))
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise ValueError(f"`loss_fn` must return a scalar tensor, got {type(loss).__name__}.")
+            parts = torch.autograd.grad(loss, params, allow_unused=True)
+        except Exception as error:  # the user's code: becomes a "cannot decide" verdict, not a traceback
+            raise ForwardFailed(error, index, batch_rows(mb)) from error
         for acc, g in zip(grads, parts, strict=True):
             if g is not None:
                 acc.add_(g.float(), alpha=n / total)

@@ -1,41 +1,153 @@
-"""Run a probe on a model in training mode without leaving a trace: dropout off, BatchNorm kept batch-dependent.
+"""Run a probe on a model in training mode without leaving a trace: randomness off, BatchNorm kept batch-dependent.
 
 The check must see what training sees (BatchNorm normalising by the micro-batch's own statistics is exactly what it
-must detect) minus what is random (dropout, router jitter), and must leave the run bitwise as it was: module modes,
-every buffer (BatchNorm running statistics, spectral-norm vectors, ...), and the CPU and CUDA random streams.
+must detect) minus what is random, and must leave the run bitwise as it was. Randomness in a forward hides in three
+places, and all three are neutralised for the probe only:
+
+- modules: `nn.Dropout` and anything named like it, stochastic depth (timm's `DropPath`, torchvision's
+  `StochasticDepth`, found by duck typing), put in eval mode with their probability zeroed;
+- float attributes read at forward time: `self.dropout` passed to the attention kernel, `self.layerdrop` (BART),
+  router jitter, any `*drop*` or `mask_*prob` attribute of a module;
+- configurations (`model.config` and every sub-module's): `layerdrop`, `*dropout*`, `drop_path_rate`,
+  `mask_time_prob`/`mask_feature_prob` (SpecAugment, drawn from numpy's RNG in Wav2Vec2), any `*drop*` or
+  `mask_*prob` probability, since modules such as Wav2Vec2's encoder read `self.config.layerdrop` at forward time.
+
+On exit, everything changed is put back: module modes, attributes, config fields, every buffer (BatchNorm running
+statistics, spectral-norm vectors), and the torch CPU/CUDA, numpy and Python `random` generators.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-# Float attributes that make a forward random in training mode without being an nn.Dropout module: attention
-# dropout passed to scaled_dot_product_attention (Llama, Mistral: `attention_dropout`), MoE router jitter.
-_STOCHASTIC_FLOAT_ATTRS = ("dropout", "attention_dropout", "dropout_p", "jitter_noise", "router_jitter_noise")
+try:  # numpy is optional for the engine's users; the probe saves its global RNG when it is there
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
+# Names of float attributes / config fields that are probabilities of something random happening in a forward:
+# dropout of every kind, layer drop, stochastic depth (drop_path_rate, drop_prob), masking probabilities
+# (mask_time_prob, mask_feature_prob), router jitter.
+_STOCHASTIC_NAME = re.compile(r"drop|^mask_.*prob$|jitter|stochastic_depth")
+# Modules that are random in training mode by construction.
+_STOCHASTIC_MODULE = re.compile(r"Dropout$|DropPath|StochasticDepth|DropBlock|LayerDrop")
 
 
 @dataclass
 class ProbeTrace:
-    """What the probe did to the model, for the diagnosis: buffers that forward passes changed."""
+    """What the probe did to the model: the stochastic parts it neutralised, the buffers that forward passes changed
+    (filled on exit), and `reset_buffers()` to start a computation from the model's own state again."""
 
+    neutralised: list[str] = field(default_factory=list)
     changed_buffers: list[str] = field(default_factory=list)
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    def reset_buffers(self) -> None:
+        """Put every buffer back to its value at the start of the probe, noting those that forward passes changed.
+
+        Each split is computed from the same state, so that a stateful layer (spectral norm's power iteration)
+        makes the splits differ, as it does in training, but not two runs of the same split."""
+        if self._model is None:
+            return
+        with torch.no_grad():
+            for name, buf in self._model.named_buffers():
+                saved = self._buffers.get(name)
+                if saved is None or saved.shape != buf.shape:
+                    continue
+                if not torch.equal(saved, buf):
+                    if name not in self.changed_buffers:
+                        self.changed_buffers.append(name)
+                    buf.copy_(saved)
 
 
-def _is_dropout(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__.endswith("Dropout")
+def is_stochastic_module(module: nn.Module) -> bool:
+    """Dropout-like modules, by type or by name (timm's DropPath, torchvision's StochasticDepth, ...)."""
+    return isinstance(module, nn.modules.dropout._DropoutNd) or bool(_STOCHASTIC_MODULE.search(type(module).__name__))
+
+
+def is_stochastic_name(name: str) -> bool:
+    """Whether an attribute or config field called `name` is (by convention) the probability of a random event."""
+    return bool(_STOCHASTIC_NAME.search(name.lower()))
+
+
+def model_configs(model: nn.Module) -> list[tuple[str, Any]]:
+    """The configuration objects of `model` and its sub-modules (`.config` with `to_dict`), once each, by owner."""
+    seen, out = set(), []
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "to_dict"):
+            seen.add(id(config))
+            out.append((name, config))
+            # Composite configs (encoder-decoder, vision-text) hold sub-configs read by their own modules.
+            for key, value in list(vars(config).items()):
+                if hasattr(value, "to_dict") and id(value) not in seen and not isinstance(value, type):
+                    seen.add(id(value))
+                    out.append((f"{name}.{key}" if name else key, value))
+    return out
+
+
+def _probability(value: Any) -> bool:
+    return isinstance(value, float) and not isinstance(value, bool) and 0.0 < value <= 1.0
+
+
+@dataclass
+class RngStates:
+    """Every random generator a forward may draw from: torch CPU and CUDA, numpy's global RNG, Python's `random`."""
+
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor] | None
+    numpy: Any
+    python: Any
+
+    @classmethod
+    def capture(cls) -> RngStates:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda, np.random.get_state() if np is not None else None, random.getstate())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+    def advanced_since(self) -> list[str]:
+        """The generators whose state moved since this capture (what a forward drew from)."""
+        now = RngStates.capture()
+        moved = []
+        if not torch.equal(now.torch_cpu, self.torch_cpu):
+            moved.append("torch CPU RNG")
+        if self.torch_cuda is not None and now.torch_cuda is not None:
+            if any(not torch.equal(a, b) for a, b in zip(now.torch_cuda, self.torch_cuda, strict=False)):
+                moved.append("torch CUDA RNG")
+        if self.numpy is not None and not _numpy_states_equal(now.numpy, self.numpy):
+            moved.append("numpy global RNG (np.random)")
+        if now.python != self.python:
+            moved.append("Python `random`")
+        return moved
+
+
+def _numpy_states_equal(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
 
 
 @contextlib.contextmanager
 def isolated_probe(model: nn.Module) -> Iterator[ProbeTrace]:
     """
-    Context in which `model` is in training mode with every stochastic layer neutralised; on exit, module modes,
-    stochastic attributes, all buffers and the torch CPU/CUDA RNG states are restored. `ProbeTrace.changed_buffers`
-    lists the buffers the forward passes inside changed (filled on exit).
+    Context in which `model` is in training mode with every stochastic part neutralised (see the module docstring);
+    on exit, module modes, attributes, config fields, all buffers and all RNG states are restored.
+    `ProbeTrace.neutralised` names what was switched off; `ProbeTrace.changed_buffers` lists the buffers forward
+    passes changed (filled by `reset_buffers()` and on exit).
 
     Example:
 
@@ -43,48 +155,52 @@ def isolated_probe(model: nn.Module) -> Iterator[ProbeTrace]:
     >>> import torch
     >>> from hf_gradaccum.verification.isolation import isolated_probe
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).eval()
-    >>> with isolated_probe(model):
-    ...     model[1].training, model[0].training
-    (False, True)
-    >>> model[0].training
-    False
+    >>> with isolated_probe(model) as trace:
+    ...     model[1].training, model[0].training, trace.neutralised
+    (False, True, ['1 (Dropout)'])
+    >>> model[0].training, model[1].p
+    (False, 0.5)
     ```
     """
-    trace = ProbeTrace()
     modes = {module: module.training for module in model.modules()}
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    floats: list[tuple[nn.Module, str, float]] = []
+    trace = ProbeTrace(_buffers={n: b.detach().clone() for n, b in model.named_buffers()}, _model=model)
+    rng = RngStates.capture()
+    saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original value), restored in reverse order
+
+    def zero(owner: Any, attr: str, label: str) -> None:
+        value = getattr(owner, attr)
+        try:
+            setattr(owner, attr, 0.0)
+        except Exception:  # a frozen or validated config: left on, and caught by the determinism test if it matters
+            return
+        saved.append((owner, attr, value))
+        trace.neutralised.append(label)
+
     try:
         model.train()
-        for module in model.modules():
-            if _is_dropout(module):
-                # Both: attention layers read `self.dropout.p` and pass it to the attention kernel when *they* are
-                # training (BERT's SDPA path), so eval() on the Dropout module alone does not stop it.
+        for name, module in model.named_modules():
+            if is_stochastic_module(module):
+                # Both eval() and p=0: attention layers read `self.dropout.p` and pass it to the attention kernel
+                # when *they* are training (BERT's SDPA path), so eval() on the Dropout module alone does not stop it.
                 module.eval()
-                if isinstance(getattr(module, "p", None), float) and module.p != 0.0:
-                    floats.append((module, "p", module.p))
-                    module.p = 0.0
-            for attr in _STOCHASTIC_FLOAT_ATTRS:
-                value = module.__dict__.get(attr)
-                if isinstance(value, float) and value != 0.0:
-                    floats.append((module, attr, value))
-                    setattr(module, attr, 0.0)
+                for attr in ("p", "drop_prob"):
+                    if _probability(module.__dict__.get(attr)):
+                        saved.append((module, attr, module.__dict__[attr]))
+                        setattr(module, attr, 0.0)
+                trace.neutralised.append(f"{name or '<root>'} ({type(module).__name__})")
+                continue
+            for attr, value in list(module.__dict__.items()):
+                if _probability(value) and is_stochastic_name(attr):
+                    zero(module, attr, f"{name or '<root>'}.{attr}={value}")
+        for owner, config in model_configs(model):
+            for attr, value in list(vars(config).items()):
+                if _probability(value) and is_stochastic_name(attr):
+                    zero(config, attr, f"{owner + '.' if owner else ''}config.{attr}={value}")
         yield trace
     finally:
-        for module, attr, value in floats:
-            setattr(module, attr, value)
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                saved = buffers.get(name)
-                if saved is None or saved.shape != buf.shape:
-                    continue
-                if not torch.equal(saved, buf):
-                    trace.changed_buffers.append(name)
-                buf.copy_(saved)
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
+        trace.reset_buffers()
         for module, mode in modes.items():
             module.training = mode
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
