@@ -156,7 +156,8 @@ def test_fp16_skip_drops_the_window_and_leaves_everything_untouched(tmp_path):
     trainer = _fp16_trainer(tmp_path, model, _regression_window(overflow=True), overflow_policy="skip")
     trainer.train()
     acc = trainer.accumulator
-    assert trainer.state.global_step == 0 and acc.applied_steps == 0
+    # As the stock Trainer after a GradScaler overflow: global_step advances, the scheduler does not step.
+    assert trainer.state.global_step == 1 and acc.applied_steps == 0
     assert acc.skipped_steps == {"overflow": 1}
     assert acc.loss_scaler.scale == 2.0**11  # backed off once
     assert torch.equal(flat_params(trainer.model), flat_params(model))
@@ -208,15 +209,25 @@ def test_fp16_resume_restores_scaler_and_equals_uninterrupted_run(tmp_path):
     assert torch.equal(flat_params(resumed.model), flat_params(full.model))
 
 
-def test_resume_with_another_effective_batch_is_refused(tmp_path):
+def test_resume_with_another_effective_batch_warns_or_is_refused_on_request(tmp_path, caplog):
     case = CASE_BY_NAME["bert_seq_cls"]
     data = case.make_data(16, torch.Generator().manual_seed(0))
     first = GradAccumTrainer(
         model=case.make_model(), args=_trainer_args(tmp_path, save_strategy="steps", save_steps=1), train_dataset=data
     )
     first.train()
+    # Default, as the stock Trainer: resume with a new batch (warned).
     other = GradAccumTrainer(
         model=case.make_model(), args=_trainer_args(tmp_path, gradient_accumulation_steps=2), train_dataset=data
     )
+    other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert "effective batch of 8" in caplog.text
+    assert other.state.global_step == 4
+    # Opt-in policy: refused.
+    refusing = GradAccumTrainer(
+        model=case.make_model(),
+        args=_trainer_args(tmp_path, gradient_accumulation_steps=2, refuse_resume_with_different_batch=True),
+        train_dataset=data,
+    )
     with pytest.raises(ValueError, match="effective batch"):
-        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+        refusing.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))

@@ -71,21 +71,27 @@ def _regression_data_with_nan(n, nan_index):
     return data.remove_columns("labels").add_column("labels", labels)
 
 
-def test_nan_window_is_skipped_with_counters_and_state_untouched(tmp_path):
+@pytest.mark.parametrize("take_back", [False, True])
+def test_nan_window_is_skipped_with_counters_and_state_untouched(tmp_path, take_back):
     torch.manual_seed(0)
     model = CASE_BY_NAME["bert_regression"].make_model()
     # 24 samples, 2 x 4 per window: 3 windows; sample 9 (window 2) has a NaN label, so that window's loss is NaN.
     data = _regression_data_with_nan(24, 9)
-    trainer = GradAccumTrainer(model=model, args=_args(tmp_path, max_grad_norm=1.0), train_dataset=data)
+    args = _args(tmp_path, max_grad_norm=1.0, take_back_skipped_steps=take_back)
+    trainer = GradAccumTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
-    assert trainer.state.global_step == 2  # applied steps only
+    # Default: as the stock Trainer, every window is a step and the scheduler steps after it. Opt-in policy: a
+    # skipped window advances neither.
+    steps = 2 if take_back else 3
+    assert trainer.state.global_step == steps
+    assert trainer.lr_scheduler.last_epoch == steps
     assert trainer.accumulator.applied_steps == 2
     assert trainer.accumulator.skipped_steps == {"non_finite_loss": 1}
+    # Either way the non-finite update is never written into weights or optimizer state.
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     for state in trainer.optimizer.state.values():
         assert int(state["step"]) == 2  # AdamW's own step count skipped the bad window too
         assert torch.isfinite(state["exp_avg"]).all() and torch.isfinite(state["exp_avg_sq"]).all()
-    assert trainer.lr_scheduler.last_epoch == 2
     logged = [h for h in trainer.state.log_history if "accumulator/skipped_steps" in h]
     assert logged and logged[-1]["accumulator/skipped_steps"] == 1
 
@@ -100,7 +106,7 @@ def test_window_without_items_is_skipped(tmp_path):
     data = data.remove_columns("labels").add_column("labels", labels)
     trainer = GradAccumTrainer(model=case.make_model(), args=_args(tmp_path), train_dataset=data)
     trainer.train()
-    assert trainer.state.global_step == 1
+    assert trainer.state.global_step == 2  # as the stock Trainer: the window is a step (its update is not applied)
     assert trainer.accumulator.skipped_steps == {"no_items": 1}
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 

@@ -128,12 +128,12 @@ class GradAccumFields:
         metadata={"help": "Raise (instead of warning) when the check finds accumulation not exact for this model."},
     )
     overlap_reduction: bool | None = field(
-        default=None,
+        default=False,
         metadata={
             "help": "DDP: all-reduce the accumulation buffer in buckets during the window's last backward (as DDP "
-            "overlaps its own), in buckets of the stock `ddp_bucket_cap_mb` (default 25). Same results. Default "
-            "(unset): on for GPUs, off on CPU, where it measured no faster; off with `auto_find_batch_size`, whose "
-            "out-of-memory retry redoes a window."
+            "overlaps its own), in buckets of the stock `ddp_bucket_cap_mb` (default 25). Same results. Off by "
+            "default until it is measured on a GPU (on CPU it measured no faster); None: on for GPUs, off on CPU. "
+            "Always off with `auto_find_batch_size`, whose out-of-memory retry redoes a window."
         },
     )
     fsdp_reduce_schedule: str = field(
@@ -143,6 +143,29 @@ class GradAccumFields:
             "sharded fp32 buffer (gradient memory 1/world_size). `once_per_window`: one reduce-scatter per window, "
             "one unsharded fp32 gradient of the model per rank in between (fewer collectives, more memory).",
             "choices": ["every_micro_batch", "once_per_window"],
+        },
+    )
+
+    take_back_skipped_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "Policy, opt-in. A window whose update is not applied (NaN/inf, no items) then advances neither "
+            "`global_step` nor the scheduler. Off (default): as the stock Trainer, `global_step` advances and the "
+            "loss (NaN included) is logged; the non-finite update is still never written into the weights."
+        },
+    )
+    refuse_resume_with_different_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Policy, opt-in. Refuse to resume from a checkpoint trained with another effective batch. Off "
+            "(default): warn and resume, as the stock Trainer does."
+        },
+    )
+    atomic_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "Opt-in. Write each checkpoint into a staging folder and rename it into place when complete, so "
+            "a crash while saving never leaves a half-written `checkpoint-N`."
         },
     )
 
@@ -216,6 +239,9 @@ def validate_gradaccum_fields(args: Any) -> None:
     overlap = gradaccum_option(args, "overlap_reduction")
     if overlap is not None and not isinstance(overlap, bool):
         raise ValueError(f"`overlap_reduction` must be unset (auto), True or False, got {overlap!r}.")
+    for name in ("take_back_skipped_steps", "refuse_resume_with_different_batch", "atomic_checkpoints"):
+        if not isinstance(gradaccum_option(args, name), bool):
+            raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
     if getattr(args, "ddp_bucket_cap_mb", None) is not None:
         validate_bucket_cap_mb(args.ddp_bucket_cap_mb)

@@ -1,8 +1,15 @@
-"""Keep the Trainer's counters honest when an accumulation window is skipped (no items, NaN/inf, fp16 overflow).
+"""What a skipped accumulation window (no items, NaN/inf, fp16 overflow) does to the Trainer's counters.
 
-The stock loop advances `global_step` and the learning-rate scheduler after every window. For a skipped window the
-accumulator leaves every `.grad` at `None` (so `optimizer.step()` changes neither weights nor optimizer state); these
-two small pieces make the scheduler and `global_step` skip it as well.
+The accumulator never writes a skipped window's update: it leaves every `.grad` at `None`, so `optimizer.step()`
+changes neither weights nor optimizer state. Everything else follows the stock Trainer:
+
+- `global_step` advances, losses (NaN included) are logged, and the learning-rate scheduler steps, as the stock
+  Trainer does after a non-finite fp32 step;
+- with fp16 loss scaling, the optimizer step is reported skipped (`accelerator.optimizer_step_was_skipped`), so the
+  Trainer does not step the scheduler, as it does after a `GradScaler` overflow: [`WindowGradScaler`].
+
+`take_back_skipped_steps=True` (opt-in policy) also reports the step skipped without loss scaling and takes back the
+`global_step` increment: [`SkippedStepCallback`].
 """
 
 from __future__ import annotations
@@ -10,52 +17,48 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 
-class SkipAwareLRScheduler:
+class WindowGradScaler(torch.amp.GradScaler):
     """
-    Wraps a learning-rate scheduler so that `step()` does nothing after a skipped window; everything else (state
-    dicts, `get_last_lr`, attributes) passes through, so checkpoints are unchanged.
+    A disabled `GradScaler` (the accumulator owns loss scaling, per window, into fp32 buffers) that skips
+    `optimizer.step()` after a window the accumulator did not apply. Accelerate's optimizer wrapper then reports the
+    step as skipped, exactly as after a stock fp16 overflow, and the Trainer leaves the scheduler alone.
 
     Example:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.adapters.step_gating import SkipAwareLRScheduler
-    >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
-    >>> applied = [False]
-    >>> sched = SkipAwareLRScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), lambda: applied[0])
-    >>> sched.step(); sched.get_last_lr()
-    [1.0]
+    >>> from hf_gradaccum.adapters.step_gating import WindowGradScaler
+    >>> param = torch.nn.Parameter(torch.ones(1)); param.grad = torch.ones(1)
+    >>> opt = torch.optim.SGD([param], lr=1.0)
+    >>> WindowGradScaler("cpu", should_skip=lambda: True).step(opt); param.item()
+    1.0
     ```
     """
 
-    def __init__(self, scheduler: Any, last_window_applied: Callable[[], bool]) -> None:
-        self.scheduler = scheduler
-        self._last_window_applied = last_window_applied
+    def __init__(self, device: str, should_skip: Callable[[], bool]) -> None:
+        super().__init__(device, enabled=False)
+        self._should_skip = should_skip
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._last_window_applied():
-            self.scheduler.step(*args, **kwargs)
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._should_skip():
+            return None
+        return super().step(optimizer, *args, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_should_skip", None)  # a bound method of the trainer; not part of the scaler's state
+        return state
 
 
 class SkippedStepCallback(TrainerCallback):
     """
-    Runs last in `on_step_end`: after a skipped window it takes back the `global_step` increment (and the checkpoint
-    or evaluation that the increment may have triggered), so `global_step` counts applied optimizer steps only.
+    Opt-in (`take_back_skipped_steps=True`). Runs last in `on_step_end`: after a skipped window it takes back the
+    `global_step` increment (and the checkpoint or evaluation that the increment may have triggered), so
+    `global_step` counts applied optimizer steps only.
     """
 
     def __init__(self, last_window_applied: Callable[[], bool]) -> None:

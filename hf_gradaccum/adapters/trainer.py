@@ -1,22 +1,22 @@
 """`GradAccumTrainer`: a `transformers.Trainer` whose gradient accumulation is exactly the large-batch update.
 
-This class is a thin adapter: the accumulation itself (buffers, weighting, reduction, overflow handling) lives in
-[`GradientAccumulator`], which plain PyTorch / Accelerate loops use directly. The Trainer's own loop (transformers 5.x
-`_run_epoch`) is left alone; it prefetches one window, calls `training_step` once per micro-batch with
-`accelerator.sync_gradients` set on the last one, then clips, steps and zeroes. We override public methods only:
+This class is a thin adapter: the accumulation itself (buffers, weighting, reduction, overflow handling, the
+out-of-memory window retry) lives in the engine ([`GradientAccumulator`], `engine/oom_retry.py`), which plain PyTorch /
+Accelerate loops use directly. The Trainer's own loop is left alone; with every accumulation option at its default, a
+run behaves as the stock `Trainer` in everything but the gradient it steps with (docs/trainer_fidelity.md lists the
+differences). Public methods overridden:
 
 - `get_batch_samples`: count the window's items from the labels (for the logged loss only);
 - `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
   composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
   routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
-  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`;
-- `create_scheduler` and a callback: a skipped window (no items, NaN/inf) advances neither the scheduler nor
-  `global_step`;
-- `log`: add the accumulator's counters (skipped steps, loss scale, ...);
-- `train` / `save_model`: learning-rate scaling, BatchNorm momentum correction, and the accumulator's state
-  (loss scale, counters, micro-batch plan) in every checkpoint;
-- `auto_find_batch_size=True`: an out-of-memory error halves the micro-batch and doubles the accumulation steps
-  and redoes the interrupted window, so the effective batch and the number of optimizer steps stay the same.
+  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
+  out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
+- `log`: add the accumulator's counters (`accumulator/*` keys);
+- `train` / `save_model`: the accumulator's state (loss scale, counters) in every checkpoint and back on resume.
+
+Opt-in policies (off by default): `take_back_skipped_steps`, `refuse_resume_with_different_batch`,
+`atomic_checkpoints`, `lr_scaling_rule`, `batchnorm_momentum_correction`.
 """
 
 from __future__ import annotations
@@ -24,32 +24,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..engine.accumulator import GradientAccumulator, WindowResult
-from ..engine.checkpointing import publish_directory
 from ..engine.items import count_items_in_batch
 from ..engine.loss_scaling import DynamicLossScaler
-from ..engine.oom import is_out_of_memory, release_cached_memory, split_micro_batch
+from ..engine.oom_retry import WindowOOMRetry
 from ..engine.overlap import DEFAULT_BUCKET_CAP_MB
-from ..helpers.lr_scaling import recommended_warmup_steps, scale_learning_rate
-from ..helpers.normalization import apply_accumulation_bn_momentum
 from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
+from .atomic_checkpoints import save_checkpoint_atomically
+from .batch_policies import apply_batch_policies
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
-from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
+from .step_gating import SkippedStepCallback, WindowGradScaler
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
-# Checkpoints are written here first and renamed into place when complete (see `_save_checkpoint`).
-STAGING_DIR_NAME = ".incomplete-checkpoints"
 
 logger = logging.getLogger(__name__)
 
@@ -122,19 +118,25 @@ class GradAccumTrainer(Trainer):
         # ranks), so it is switched off while each micro-batch runs (`_parent_training_step`) and the user's value is
         # left in `self.args`, i.e. in the saved `training_args.bin`.
         self.model_accepts_loss_kwargs = False
-        if self.accelerator.scaler is not None:
+        loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
+        if loss_scaling or self.accelerator.scaler is not None or gradaccum_option(self.args, "take_back_skipped_steps"):
             # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
-            # GradScaler keeps Accelerate's autocast and makes its unscale/step calls no-ops.
-            self.accelerator.scaler = torch.amp.GradScaler(self.accelerator.device.type, enabled=False)
+            # GradScaler keeps Accelerate's autocast and makes its unscale calls no-ops; its `step` reports a skipped
+            # window's optimizer step as skipped, as a stock GradScaler does after an overflow.
+            self.accelerator.scaler = WindowGradScaler(
+                self.accelerator.device.type, should_skip=self._optimizer_step_must_be_skipped
+            )
         self.accumulator: GradientAccumulator | None = None
         self._window_items_local: float | None = None
         self._window_batches: list[dict[str, Any]] = []
         self._micro_index = 0
         self._resume_state_path: str | None = None
-        # Rows per forward/backward after out-of-memory shrinking; `None` until the first OOM.
-        self.micro_batch_chunk_size: int | None = None
-        self._oom_proof = False
-        self.add_callback(SkippedStepCallback(self._last_window_applied))
+        # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
+        self.oom_retry = WindowOOMRetry(shrink=self._shrink_chunk)
+        self.add_callback(_LoopRestartCallback(self))
+        if gradaccum_option(self.args, "take_back_skipped_steps"):
+            self.add_callback(SkippedStepCallback(self._last_window_applied))
+        apply_batch_policies(self)
 
     # ------------------------------------------------------------------ accumulator
     def _last_window_applied(self) -> bool:
@@ -159,7 +161,9 @@ class GradAccumTrainer(Trainer):
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
             # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
-            overlap_reduction=False if self._oom_proof else gradaccum_option(self.args, "overlap_reduction"),
+            overlap_reduction=False
+            if self.args.auto_find_batch_size
+            else gradaccum_option(self.args, "overlap_reduction"),
             bucket_cap_mb=self.args.ddp_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
         )
@@ -266,39 +270,37 @@ class GradAccumTrainer(Trainer):
     ) -> torch.Tensor:
         """
         Forward and item-weighted backward of one micro-batch through the accumulator. On the last micro-batch of a
-        window (`self.accelerator.sync_gradients`), the large-batch mean gradient is written into `.grad`.
+        window (`self.accelerator.sync_gradients`), the large-batch mean gradient is written into `.grad`. Works
+        outside `train()` too (then each call is a window of its own).
 
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
         accumulator = self._get_accumulator(model)
+        if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
+            # Called outside the Trainer's loop (or by a subclass with its own batches): a window of its own.
+            self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
         micro_index = self._micro_index
         self._micro_index += 1
-        out_of_memory = False
-        try:
-            loss, num_items = self._accumulate(model, accumulator, inputs)
-        except Exception as error:
-            if not (self._oom_proof and is_out_of_memory(error)):
-                raise
-            out_of_memory = True
-        if out_of_memory:
-            # Recover only after the `except` block has ended: until then `error`'s traceback keeps the failed
-            # attempt's activations alive, and the smaller retry would run out of memory too (seen on a GPU).
-            loss, num_items = self._recover_from_oom(model, accumulator, inputs, micro_index)
+
+        def micro_step(batch: dict[str, Any]):
+            return self._accumulate(model, accumulator, batch)
+
+        if self.args.auto_find_batch_size:
+            loss, num_items = self.oom_retry.run(accumulator, self._window_batches, micro_index, micro_step)
+        else:
+            loss, num_items = micro_step(inputs)
 
         if self.accelerator.sync_gradients:
             self.on_window_end(accumulator.finish_window())
 
         if self._window_items_local:
             return loss * (num_items / self._window_items_local)
-        return loss / self.current_gradient_accumulation_steps
+        return loss / getattr(self, "current_gradient_accumulation_steps", 1)
 
     def _accumulate(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any]):
         """Forward + weighted backward of one micro-batch (in chunks after an OOM). Returns (mean loss, items)."""
-        chunks = (
-            [inputs] if self.micro_batch_chunk_size is None else split_micro_batch(inputs, self.micro_batch_chunk_size)
-        )
         loss_sum, total_items = None, 0
-        for chunk in chunks:
+        for chunk in self.oom_retry.chunks(inputs):
             num_items = self.count_micro_batch_items(chunk)
             loss = self._parent_training_step(model, accumulator, chunk, num_items)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
@@ -342,6 +344,9 @@ class GradAccumTrainer(Trainer):
 
             result.append(accumulator.accumulate_micro_batch(compute_loss, num_items))
 
+        # The three attributes below are swapped for the duration of the parent's training_step only (see
+        # docs/design.md, "Trainer state the adapter touches"): the parent's own `training_step` must run unchanged
+        # (composed TRL trainers add contexts and metrics there) and these are the values it reads.
         steps = getattr(self, "current_gradient_accumulation_steps", None)
         had_backward = "backward" in vars(self.accelerator)
         previous_backward = vars(self.accelerator).get("backward")
@@ -373,49 +378,61 @@ class GradAccumTrainer(Trainer):
             )
         return result[0]
 
-    def _recover_from_oom(self, model, accumulator, inputs, micro_index: int):
-        """Shrink the micro-batch until it fits and redo the window up to (and including) this micro-batch."""
-        while True:
-            accumulator.discard_window()
-            release_cached_memory()
-            plan = self._shrink_plan(inputs)
-            logger.warning(
-                "Out of memory: micro-batch now %d x %d accumulation steps (effective batch %d unchanged); redoing "
-                "the interrupted window from its first micro-batch.",
-                plan.micro_batch_size,
-                plan.gradient_accumulation_steps,
-                plan.effective_batch_size,
-            )
-            self.log(
-                {
-                    "oom/micro_batch_size": float(plan.micro_batch_size),
-                    "oom/gradient_accumulation_steps": float(plan.gradient_accumulation_steps),
-                }
-            )
-            try:
-                for earlier in self._window_batches[:micro_index]:
-                    self._accumulate(model, accumulator, earlier)
-                return self._accumulate(model, accumulator, inputs)
-            except Exception as retry_error:
-                if not is_out_of_memory(retry_error):
-                    raise
+    # ------------------------------------------------------------------ out-of-memory retry (auto_find_batch_size)
+    @property
+    def micro_batch_chunk_size(self) -> int | None:
+        """Rows per forward/backward after out-of-memory shrinking; `None` until the first OOM."""
+        return self.oom_retry.chunk_size
 
-    def _shrink_plan(self, inputs: dict[str, Any]) -> AccumulationPlan:
-        micro = self.micro_batch_chunk_size or self._train_batch_size
-        steps = self.args.gradient_accumulation_steps * (self._train_batch_size // micro)
+    def _shrink_chunk(self, current: int) -> int:
+        """Halve the micro-batch as [`AccumulationPlan.halved`] does (keeps the effective batch exactly)."""
+        micro = self.oom_retry.chunk_size or self._train_batch_size
+        steps = self.args.gradient_accumulation_steps * max(1, self._train_batch_size // micro)
         plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
-        self.micro_batch_chunk_size = plan.micro_batch_size
         self.accumulation_plan = plan
-        return plan
+        logger.warning(
+            "Out of memory: micro-batch now %d x %d accumulation steps (effective batch %d unchanged); redoing "
+            "the interrupted window from its first micro-batch.",
+            plan.micro_batch_size,
+            plan.gradient_accumulation_steps,
+            plan.effective_batch_size,
+        )
+        self.log(
+            {
+                "oom/micro_batch_size": float(plan.micro_batch_size),
+                "oom/gradient_accumulation_steps": float(plan.gradient_accumulation_steps),
+            }
+        )
+        if self.accumulator is not None:
+            # A window redone after an OOM cannot have its reduction started during its last backward.
+            self.accumulator.stop_overlapping()
+        return plan.micro_batch_size
+
+    def _restart_after_oom(self) -> None:
+        """`on_train_begin`: the stock `find_executable_batch_size` restarted the loop (an OOM outside
+        `training_step`) at a smaller `per_device_train_batch_size`: drop the interrupted window and the old chunking."""
+        self.oom_retry.reset()
+        self._window_batches, self._micro_index = [], 0
+        if self.accumulator is not None and self.accumulator.micro_steps_in_window:
+            self.accumulator.discard_window()
 
     def on_window_end(self, result: WindowResult) -> None:
         """Called with each window's [`WindowResult`] before clipping and the optimizer step (override to inspect)."""
         if not result.applied:
             logger.warning(
-                "Window skipped (%s) at global step %d; weights, optimizer state and scheduler are left untouched.",
+                "Window skipped (%s) at global step %d: its update is not applied (weights and optimizer state are "
+                "left untouched).",
                 result.skip_reason,
                 self.state.global_step,
             )
+
+    def _optimizer_step_must_be_skipped(self) -> bool:
+        """Whether Accelerate should report the coming optimizer step as skipped (the scheduler then does not step):
+        after a skipped window under loss scaling (as a stock fp16 overflow), or always with `take_back_skipped_steps`."""
+        acc = self.accumulator
+        if acc is None or acc.last_result is None or acc.last_result.applied:
+            return False
+        return acc.loss_scaler is not None or bool(gradaccum_option(self.args, "take_back_skipped_steps"))
 
     # ------------------------------------------------------------------ mixed precision
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
@@ -427,57 +444,19 @@ class GradAccumTrainer(Trainer):
             return torch.autocast(device_type=self.args.device.type, dtype=torch.float16, cache_enabled=cache_enabled)
         return super().autocast_smart_context_manager(cache_enabled)
 
-    # ------------------------------------------------------------------ train, checkpoints
+    # ------------------------------------------------------------------ resume and checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """[`~transformers.Trainer.train`], plus learning-rate scaling, BatchNorm momentum correction, restoring the
-        accumulator's state on resume, and effective-batch-preserving `auto_find_batch_size`."""
-        self._apply_lr_scaling()
-        if gradaccum_option(self.args, "batchnorm_momentum_correction"):
-            apply_accumulation_bn_momentum(self.model, self.args.gradient_accumulation_steps)
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-        if isinstance(resume_from_checkpoint, str):
-            path = os.path.join(resume_from_checkpoint, ACCUMULATOR_STATE_NAME)
-            self._resume_state_path = path if os.path.isfile(path) else None
-        # The stock `auto_find_batch_size` halves the batch and leaves the accumulation steps alone (the effective
-        # batch shrinks) and restarts the whole loop; ours recovers inside the window, in `training_step`.
-        self._oom_proof = bool(self.args.auto_find_batch_size)
-        self.args.auto_find_batch_size = False
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self.args.auto_find_batch_size = self._oom_proof
-
-    def _apply_lr_scaling(self) -> None:
-        rule = gradaccum_option(self.args, "lr_scaling_rule")
-        if rule == "none" or getattr(self, "_base_learning_rate", None) is not None:
-            return
-        self._base_learning_rate = self.args.learning_rate
-        effective = (
-            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
-        )
-        reference = gradaccum_option(self.args, "reference_batch_size")
-        self.args.learning_rate = scale_learning_rate(
-            self.args.learning_rate, base_batch_size=reference, new_batch_size=effective, rule=rule
-        )
-        logger.warning(
-            "lr_scaling_rule=%s: learning rate %g (tuned at batch %d) -> %g at effective batch %d.",
-            rule,
-            self._base_learning_rate,
-            reference,
-            self.args.learning_rate,
-            effective,
-        )
-        if rule == "linear" and effective > reference and not (self.args.warmup_steps or self.args.warmup_ratio):
-            steps_per_epoch = max(1, len(self.train_dataset) // effective) if self.train_dataset is not None else 1
-            logger.warning(
-                "Linear LR scaling by %.3gx without warmup is unstable early in training (Goyal et al. 2017); "
-                "consider `warmup_steps=%d`.",
-                effective / reference,
-                recommended_warmup_steps(
-                    base_batch_size=reference, new_batch_size=effective, steps_per_epoch=steps_per_epoch
-                ),
-            )
+        """[`~transformers.Trainer.train`], unchanged; it also restores the accumulator's state (loss scale,
+        counters) from the checkpoint it resumes from."""
+        path = resume_from_checkpoint
+        if path is True:
+            # The parent resolves `True` itself (and raises "No valid checkpoint found" when there is none).
+            path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        state_file = os.path.join(path, ACCUMULATOR_STATE_NAME) if isinstance(path, str) else None
+        self._resume_state_path = state_file if state_file and os.path.isfile(state_file) else None
+        if self._resume_state_path and self.accumulator is not None:
+            self._load_accumulator_state(self.accumulator, self._resume_state_path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
@@ -486,6 +465,7 @@ class GradAccumTrainer(Trainer):
             state = {
                 "accumulator": self.accumulator.state_dict(),
                 "effective_batch_size": self._effective_batch_size(),
+                "micro_batch_size": self._train_batch_size,
                 "micro_batch_chunk_size": self.micro_batch_chunk_size,
             }
             # Under FSDP2 with sharded state dicts, `save_model` writes nothing itself (Accelerate's DCP files come
@@ -496,73 +476,64 @@ class GradAccumTrainer(Trainer):
             os.replace(tmp, os.path.join(output_dir, ACCUMULATOR_STATE_NAME))  # never a half-written file
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """
-        Write the checkpoint atomically: into a staging directory, then renamed to `checkpoint-N` once every file
-        (model, optimizer, scheduler, RNG states, trainer and accumulator state) is there. A crash while saving
-        leaves the previous checkpoints intact and never a half-written `checkpoint-N`. This overrides a private
-        Trainer method (pinned transformers range in pyproject.toml): there is no public hook around the save.
-        """
-        run_dir = self._get_output_dir(trial=trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging_root = os.path.join(run_dir, STAGING_DIR_NAME)
-        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
-        if self.args.should_save and os.path.isdir(staged):
-            shutil.rmtree(staged)  # left by a crash during an earlier save
-        self.accelerator.wait_for_everyone()
-        # The parent computes the checkpoint path from `_get_output_dir`; point it at the staging area.
-        self._get_output_dir = lambda trial=None: staging_root
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
-        self.accelerator.wait_for_everyone()  # every rank's RNG state is in the staged directory
-        if self.args.should_save:
-            publish_directory(staged, final)
-            with contextlib.suppress(OSError):
-                os.rmdir(staging_root)  # only when empty: never leave a stray folder in output_dir
-            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
-                self.state.best_model_checkpoint = final + self.state.best_model_checkpoint[len(staged) :]
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self.accelerator.wait_for_everyone()
+        # Stock unless `atomic_checkpoints=True` (opt-in; see `adapters/atomic_checkpoints.py` for why it needs this).
+        if not gradaccum_option(self.args, "atomic_checkpoints"):
+            return super()._save_checkpoint(model, trial)
+        save_checkpoint_atomically(self, lambda: super(GradAccumTrainer, self)._save_checkpoint(model, trial), trial)
 
     def _effective_batch_size(self) -> int:
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
     def _load_accumulator_state(self, acc: GradientAccumulator, path: str) -> None:
         state = torch.load(path, weights_only=False)
-        if state["effective_batch_size"] != self._effective_batch_size():
-            raise ValueError(
-                f"Cannot resume from {os.path.dirname(path)}: it was trained with an effective batch of "
-                f"{state['effective_batch_size']} (micro-batch x gradient_accumulation_steps x world_size) and this "
-                f"run uses {self._effective_batch_size()}. Resume with the same effective batch, or start a new run."
+        saved, now = state["effective_batch_size"], self._effective_batch_size()
+        if saved != now:
+            message = (
+                f"Resuming from {os.path.dirname(path)}, trained with an effective batch of {saved} (micro-batch x "
+                f"gradient_accumulation_steps x world_size); this run uses {now}."
             )
-        acc.load_state_dict(state["accumulator"])
-        self.micro_batch_chunk_size = state.get("micro_batch_chunk_size")
+            if gradaccum_option(self.args, "refuse_resume_with_different_batch"):
+                raise ValueError(message + " Resume with the same effective batch, or start a new run.")
+            logger.warning(message)
+        accumulator_state = dict(state["accumulator"])
+        if accumulator_state.get("window") is not None:
+            # Trainer checkpoints are written at optimizer-step boundaries, so this comes from a plain-loop save:
+            # its half-accumulated window belongs to data this run will not replay.
+            logger.warning("The checkpoint holds a partly accumulated window; it is discarded.")
+            accumulator_state["window"] = None
+        if accumulator_state.get("loss_scaler") is not None and acc.loss_scaler is None:
+            accumulator_state["loss_scaler"] = None  # resumed without fp16: the loss scale is not needed
+        accumulator_state["gradient_accumulation_steps"] = acc.gradient_accumulation_steps
+        acc.load_state_dict(accumulator_state)
+        if state.get("micro_batch_size") in (None, self._train_batch_size):
+            self.oom_retry.chunk_size = state.get("micro_batch_chunk_size")
         if self.micro_batch_chunk_size is not None:
             # The run being resumed shrank its micro-batch after an OOM: each micro-batch is now several backwards.
             acc.stop_overlapping()
         logger.info("Restored accumulator state from %s: %s", path, acc.metrics())
 
-    # ------------------------------------------------------------------ scheduler and logging
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        if not plateau and not isinstance(scheduler, SkipAwareLRScheduler):
-            # ReduceLROnPlateau steps on eval metrics, not per window, and the Trainer type-checks it; leave it be.
-            self.lr_scheduler = SkipAwareLRScheduler(scheduler, self._last_window_applied)
-        return self.lr_scheduler
-
+    # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.accumulator is not None and ("loss" in logs or "train_loss" in logs):
             # In place, as `Trainer.log` adds `epoch` in place: callers (e.g. `train()` building
             # `train_results.json`) see every key the stock Trainer would give them, plus ours.
             logs.update(self.accumulator.metrics())
         super().log(logs, start_time)
+
+
+class _LoopRestartCallback(TrainerCallback):
+    """`on_train_begin` runs again when the stock `auto_find_batch_size` restarts the loop at a smaller batch."""
+
+    def __init__(self, trainer: GradAccumTrainer) -> None:
+        self._trainer = trainer
+        self._batch_size: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        batch_size = self._trainer._train_batch_size
+        if self._batch_size is not None and batch_size != self._batch_size:
+            self._trainer._restart_after_oom()
+        self._batch_size = batch_size
+        return control
 
 
 def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) -> type[Trainer]:

@@ -67,6 +67,7 @@ def main():
         train_sampling_strategy="sequential",
         save_strategy="steps",
         save_steps=1,
+        atomic_checkpoints=True,  # the crash-while-saving cases need atomic writes (opt-in)
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
