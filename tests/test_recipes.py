@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from hf_gradaccum.harness.reporting import REPORT_FILES, load_parity_report
+from harness.reporting import REPORT_FILES, load_parity_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # The subprocess is killed past this hard limit so a hung recipe cannot hang the suite. No test asserts a wall-clock
@@ -155,7 +154,7 @@ def _write_csv_dataset(folder: Path, rows: int) -> None:
     """A `datasets` folder with train/validation CSVs under other column names: the Hub code path, offline."""
     import datasets
 
-    from hf_gradaccum.harness.assets import locate_asset
+    from hf_gradaccum.assets import locate_asset
 
     data = datasets.load_dataset("csv", data_files=str(locate_asset("rotten_tomatoes")), split="train")
     data = data.filter(lambda row: row["category"] in ("fresh", "rotten")).select(range(2 * rows))
@@ -169,7 +168,7 @@ def _write_csv_dataset(folder: Path, rows: int) -> None:
 @pytest.mark.slow
 def test_bert_hub_code_path_with_local_dataset_and_model(tmp_path):
     """`dataset_name` / `model_name_or_path` / column options, exercised with local folders instead of the Hub."""
-    from hf_gradaccum.harness.assets import locate_asset
+    from hf_gradaccum.assets import locate_asset
 
     _write_csv_dataset(tmp_path / "polarity", rows=32)
     out = tmp_path / "out"
@@ -192,7 +191,7 @@ def test_resnet_hub_code_path_with_local_imagefolder(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from hf_gradaccum.harness.assets import locate_asset
+    from hf_gradaccum.assets import locate_asset
 
     # The file is sorted by class (500 rows each): every 50th row gives 10 of each digit. With a single class
     # `datasets` would infer no label column at all.
