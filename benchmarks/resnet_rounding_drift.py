@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 import finetune_resnet as recipe  # noqa: E402  (the recipe's data, model and BatchNorm treatment)
+from harness.arms import perturb_for_noise_floor  # noqa: E402  (recipes/ is on sys.path)
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
-from hf_gradaccum.harness.arms import perturb_for_noise_floor  # noqa: E402
 
 BATCH = 128
 

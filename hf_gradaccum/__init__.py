@@ -6,11 +6,12 @@ The package has four parts; each may import only the ones listed before it (`tes
   item counting, out-of-memory recovery). torch and accelerate only; no transformers.
 - `helpers/`: batch-size helpers (BatchNorm treatments, learning-rate scaling, micro-batch planning).
 - `adapters/`: `GradAccumTrainer` and `GradAccumArguments`, thin transformers adapters over the engine.
-- `harness/`: the parity experiment harness (arms in their own processes, reports, plots, offline assets) that the
-  recipes use. Never imported by `import hf_gradaccum`.
+- `assets.py` (offline model/data files the CLI defaults to) and `cli.py` (`hf-gradaccum verify`) sit beside them.
+
+The recipes' parity experiment harness lives outside the package, in `recipes/harness/`.
 
 Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used, and never imports
-matplotlib or the harness.
+matplotlib.
 """
 
 from __future__ import annotations

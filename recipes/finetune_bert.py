@@ -32,16 +32,7 @@ from pathlib import Path
 import datasets
 import evaluate
 import numpy as np
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    set_seed,
-)
-
-from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.harness.arms import (
+from harness.arms import (
     ArmSpec,
     ParityArguments,
     apply_memory_limit,
@@ -56,11 +47,20 @@ from hf_gradaccum.harness.arms import (
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
-from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
-from hf_gradaccum.harness.loading import load_with_new_head
-from hf_gradaccum.harness.metrics import metric_path
-from hf_gradaccum.harness.verification_report import add_verification_to_report, with_verification
+from harness.config import ConfigError, RecipeArgumentParser
+from harness.loading import load_with_new_head
+from harness.metrics import metric_path
+from harness.verification_report import add_verification_to_report, with_verification
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    set_seed,
+)
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum.assets import MissingAssetError, locate_asset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"

@@ -36,12 +36,7 @@ from pathlib import Path
 import evaluate
 import numpy as np
 import torch
-from torch.nn import functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
-from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, set_seed
-
-from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.harness.arms import (
+from harness.arms import (
     BATCHNORM_MODES,
     ArmSpec,
     ParityArguments,
@@ -57,10 +52,15 @@ from hf_gradaccum.harness.arms import (
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from hf_gradaccum.harness.assets import MissingAssetError, locate_asset
-from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser
-from hf_gradaccum.harness.metrics import metric_path
-from hf_gradaccum.harness.verification_report import add_verification_to_report, with_verification
+from harness.config import ConfigError, RecipeArgumentParser
+from harness.metrics import metric_path
+from harness.verification_report import add_verification_to_report, with_verification
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, set_seed
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum.assets import MissingAssetError, locate_asset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness.arms import ParityArguments
+from harness.config import ConfigError, RecipeArgumentParser, split_config_flag
 
 from hf_gradaccum import GradAccumArguments
-from hf_gradaccum.harness.arms import ParityArguments
-from hf_gradaccum.harness.config import ConfigError, RecipeArgumentParser, split_config_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))

@@ -12,10 +12,10 @@ import sys
 import datasets
 import pytest
 import torch
+from harness.arms import apply_memory_limit
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.harness.arms import apply_memory_limit
 from tests.multiprocess import ROOT, free_port
 from tests.parity_cases import CASES, LAYOUTS, large_batch_reference, relative_update_error, train_with
 from tests.test_mixed_precision import _bf16_gradient_errors, _fp16_trainer, _regression_window

@@ -77,7 +77,7 @@ def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(
 def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):
     """`accelerate launch` of the BERT recipe on 2 CPU processes (tiny config): each arm runs as a 2-rank job, the
     effective batch counts both ranks, and the accumulated arm still matches the large batch step for step."""
-    from hf_gradaccum.harness.reporting import load_parity_report
+    from harness.reporting import load_parity_report
 
     out = tmp_path / "bert_2proc"
     proc = launch(

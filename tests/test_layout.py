@@ -3,9 +3,10 @@
     engine   <- torch (+ accelerate.utils); no transformers, nothing else of this package
     helpers  <- engine
     adapters <- engine, helpers (+ transformers)
-    harness  <- everything (recipes' experiment machinery)
 
-`import hf_gradaccum` imports none of the parts (lazy public names), so it never pulls in matplotlib.
+The recipes' experiment machinery (`recipes/harness/`) is not part of the installed package: it imports the package,
+the package (and its `hf-gradaccum` CLI) never imports it. `import hf_gradaccum` imports none of the parts (lazy
+public names), so it never pulls in matplotlib.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ ALLOWED = {
     "helpers": {"engine"},
     "verification": {"engine", "helpers"},
     "adapters": {"engine", "helpers", "verification"},
-    "harness": {"engine", "helpers", "adapters", "verification"},
 }
+HARNESS = PACKAGE.parent / "recipes" / "harness"
 # third-party packages a part must not import
 FORBIDDEN = {"engine": {"transformers", "matplotlib", "trl", "peft"}, "helpers": {"transformers", "matplotlib"}}
 
@@ -65,11 +66,27 @@ def test_each_part_imports_only_the_parts_below_it(part, path):
         assert top[0] not in FORBIDDEN.get(part, set()), f"{path.name} ({part}) imports {name}"
 
 
+def test_the_harness_is_not_in_the_installed_package():
+    assert not (PACKAGE / "harness").exists()
+    assert (HARNESS / "arms.py").is_file() and (HARNESS / "metrics" / "accuracy" / "accuracy.py").is_file()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name in _imports(path):
+            assert name.split(".")[0] != "harness" and not name.startswith("hf_gradaccum.harness"), (path, name)
+
+
+def test_the_harness_imports_only_the_installed_package():
+    """`recipes/harness/` sees the package as a user does: absolute `hf_gradaccum` imports, no relative escapes."""
+    for path in sorted(HARNESS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 1:
+                raise AssertionError(f"{path} imports from outside the harness: level {node.level}")
+
+
 def test_import_hf_gradaccum_imports_no_matplotlib_nor_the_harness():
     code = (
-        "import sys, hf_gradaccum\n"
+        "import sys, hf_gradaccum, hf_gradaccum.cli\n"
         "hf_gradaccum.GradientAccumulator, hf_gradaccum.GradAccumTrainer, hf_gradaccum.plan_accumulation\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib' or m.startswith('hf_gradaccum.harness'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'harness'))\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -9,8 +9,7 @@ from pathlib import Path
 import evaluate
 import pytest
 import torch
-
-from hf_gradaccum.harness.arms import (
+from harness.arms import (
     ParityArguments,
     arm_overrides,
     failed_arm_result,
@@ -19,8 +18,8 @@ from hf_gradaccum.harness.arms import (
     save_arm_weights,
     train_losses_from_log_history,
 )
-from hf_gradaccum.harness.metrics import metric_path
-from hf_gradaccum.harness.reporting import (
+from harness.metrics import metric_path
+from harness.reporting import (
     build_parity_report,
     format_summary,
     group_means,
@@ -179,7 +178,7 @@ def test_noise_floor_separates_rounding_drift_from_a_different_forward_pass(arms
 
 
 def test_noise_floor_arm_planning_and_perturbation():
-    from hf_gradaccum.harness.arms import perturb_for_noise_floor
+    from harness.arms import perturb_for_noise_floor
 
     specs = plan_arms(
         ["reference_groupnorm", "accumulated_groupnorm", "noise_floor_groupnorm"],
@@ -301,8 +300,7 @@ def test_every_line_of_the_loss_plot_is_in_its_legend(recipe):
     """Committed reports: every drawn line has a legend entry; the ResNet figure has one row per BatchNorm
     treatment (small multiples)."""
     import matplotlib.pyplot as plt
-
-    from hf_gradaccum.harness.reporting import load_parity_report, loss_curves_figure
+    from harness.reporting import load_parity_report, loss_curves_figure
 
     report = load_parity_report(ROOT / "docs" / recipe / "parity_report.json")
     fig = loss_curves_figure(report)
@@ -320,7 +318,7 @@ def test_every_line_of_the_loss_plot_is_in_its_legend(recipe):
 
 
 def test_no_report_when_every_arm_failed(tmp_path, capsys):
-    from hf_gradaccum.harness.arms import report_parity_run
+    from harness.arms import report_parity_run
 
     specs = plan_arms(["reference", "accumulated"], micro_batch_size=2, gradient_accumulation_steps=2)
     results = [failed_arm_result(spec, "ValueError: boom") for spec in specs]
@@ -335,7 +333,7 @@ def test_no_report_when_every_arm_failed(tmp_path, capsys):
 def test_failed_arm_prints_one_line_with_cause_and_log(tmp_path, capsys):
     """A real child process that raises: one line on the console names the exception and the log's path."""
 
-    from hf_gradaccum.harness.arms import run_arms_in_subprocesses
+    from harness.arms import run_arms_in_subprocesses
 
     script = tmp_path / "crash.py"
     script.write_text("import sys\nprint('working...')\nraise ValueError('learning rate went negative')\n")
@@ -352,7 +350,7 @@ def test_failed_arm_prints_one_line_with_cause_and_log(tmp_path, capsys):
 def test_recipes_add_the_check_except_under_an_fsdp_launch(monkeypatch):
     """`accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP; the check (refused under FSDP2) is then not
     added, so the documented `configs/accelerate/fsdp2.yaml` launch of a recipe does not stop on it."""
-    from hf_gradaccum.harness.verification_report import with_verification
+    from harness.verification_report import with_verification
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert with_verification(["--x"], None) == ["--x", "--verify_accumulation", "first_step"]

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ProgressCallback
 
-from ..adapters.arguments import accelerator_available
+from hf_gradaccum.adapters.arguments import accelerator_available
+
 from .reporting import build_parity_report, format_summary, write_parity_report
 
 ARM_KINDS = ("reference", "accumulated", "small_batch", "noise_floor")
@@ -125,7 +126,7 @@ def parse_arm_name(name: str) -> tuple[str, str | None]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.arms import parse_arm_name
+    >>> from harness.arms import parse_arm_name
     >>> parse_arm_name("accumulated_groupnorm"), parse_arm_name("small_batch")
     (('accumulated', 'groupnorm'), ('small_batch', None))
     ```
@@ -150,7 +151,7 @@ def plan_arms(
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.arms import plan_arms
+    >>> from harness.arms import plan_arms
     >>> [(a.name, a.micro_batch_size, a.gradient_accumulation_steps, a.compared_to)
     ...  for a in plan_arms(["reference", "accumulated"], micro_batch_size=8, gradient_accumulation_steps=4)]
     [('reference', 32, 1, None), ('accumulated', 8, 4, 'reference')]
@@ -198,7 +199,7 @@ def perturb_for_noise_floor(model: torch.nn.Module, *, relative: float = NOISE_F
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.harness.arms import perturb_for_noise_floor
+    >>> from harness.arms import perturb_for_noise_floor
     >>> layer = torch.nn.Linear(4, 4)
     >>> before = layer.weight.detach().clone()
     >>> _ = perturb_for_noise_floor(layer)
@@ -224,7 +225,7 @@ def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.arms import plan_arms, arm_overrides
+    >>> from harness.arms import plan_arms, arm_overrides
     >>> spec = plan_arms(["reference"], micro_batch_size=8, gradient_accumulation_steps=4)[0]
     >>> arm_overrides(spec, "out")[:4]
     ['--per_device_train_batch_size', '32', '--gradient_accumulation_steps', '1']
@@ -542,7 +543,7 @@ def train_losses_from_log_history(log_history: list[dict[str, Any]]) -> list[flo
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.arms import train_losses_from_log_history
+    >>> from harness.arms import train_losses_from_log_history
     >>> train_losses_from_log_history([{"loss": 0.7, "step": 1}, {"eval_loss": 0.6, "step": 1}, {"loss": 0.5, "step": 2}])
     [0.7, 0.5]
     ```

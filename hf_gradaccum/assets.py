@@ -57,7 +57,7 @@ def locate_asset(name: str, *, alternative: str = "") -> Path:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.assets import locate_asset
+    >>> from hf_gradaccum.assets import locate_asset
     >>> locate_asset("minilm").name  # doctest: +SKIP
     'model'
     ```

@@ -4,7 +4,7 @@ Example:
 
 ```python
 >>> import evaluate
->>> from hf_gradaccum.harness.metrics import metric_path
+>>> from harness.metrics import metric_path
 >>> accuracy = evaluate.load(metric_path("accuracy"))
 >>> accuracy.compute(predictions=[1, 0], references=[1, 1])["accuracy"]
 0.5
@@ -33,7 +33,7 @@ def metric_path(name: str) -> str:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.metrics import metric_path
+    >>> from harness.metrics import metric_path
     >>> metric_path("accuracy").endswith("accuracy")
     True
     ```

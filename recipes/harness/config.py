@@ -43,7 +43,7 @@ class RecipeArgumentParser(HfArgumentParser):
 
     ```python
     >>> from dataclasses import dataclass
-    >>> from hf_gradaccum.harness.config import RecipeArgumentParser
+    >>> from harness.config import RecipeArgumentParser
     >>> @dataclass
     ... class Args:
     ...     max_length: int = 128
@@ -195,7 +195,7 @@ def split_config_flag(argv: Sequence[str]) -> tuple[Path | None, list[str]]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.config import split_config_flag
+    >>> from harness.config import split_config_flag
     >>> split_config_flag(["--config", "a.yaml", "--seed", "1"])
     (PosixPath('a.yaml'), ['--seed', '1'])
     ```

@@ -1,7 +1,7 @@
 """Accuracy (and macro F1) as an `evaluate` metric module that ships with hf_gradaccum.
 
 `evaluate.load("accuracy")` downloads its script from the Hugging Face Hub, which fails offline. This module has the
-same interface and is loaded from its path: `evaluate.load(hf_gradaccum.harness.metrics.metric_path("accuracy"))`. F1 is
+same interface and is loaded from its path: `evaluate.load(harness.metrics.metric_path("accuracy"))`. F1 is
 computed by hand so that neither scikit-learn nor the network is needed.
 """
 
@@ -30,7 +30,7 @@ Returns:
 
 Examples:
     >>> import evaluate
-    >>> from hf_gradaccum.harness.metrics import metric_path
+    >>> from harness.metrics import metric_path
     >>> metric = evaluate.load(metric_path("accuracy"))
     >>> metric.compute(predictions=[0, 1, 1, 1], references=[0, 1, 0, 1])
     {'accuracy': 0.75, 'macro_f1': 0.7333333333333334}

@@ -1,6 +1,6 @@
 """Parity report: does the accumulated run reproduce the large batch, and what did it cost in memory?
 
-The recipes run several *arms* of one fine-tune (see `hf_gradaccum.harness.arms`): the large batch itself (`reference`),
+The recipes run several *arms* of one fine-tune (see `harness.arms`): the large batch itself (`reference`),
 the same effective batch accumulated over micro-batches (`accumulated`), plain small batches (`small_batch`), and for
 CNNs the BatchNorm variants. This module turns their results into
 
@@ -127,7 +127,7 @@ def loss_difference(
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import loss_difference
+    >>> from harness.reporting import loss_difference
     >>> diff, basis = loss_difference([0.9, 0.7], [0.9, 0.70002], samples_per_step=64, reference_samples_per_step=64)
     >>> round(diff, 8), basis
     (2e-05, 'per_step')
@@ -155,7 +155,7 @@ def group_means(values: Sequence[float], group: int) -> list[float]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import group_means
+    >>> from harness.reporting import group_means
     >>> group_means([1.0, 3.0, 2.0, 4.0, 9.0], 2)
     [2.0, 3.0]
     ```
@@ -179,7 +179,7 @@ def relative_weight_distance(weights: Mapping[str, Any], reference_weights: Mapp
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.harness.reporting import relative_weight_distance
+    >>> from harness.reporting import relative_weight_distance
     >>> round(relative_weight_distance({"w": torch.tensor([3.0, 4.0])}, {"w": torch.tensor([3.0, 4.5])}), 4)
     0.0925
     ```
@@ -200,7 +200,7 @@ def relative_weight_distance(weights: Mapping[str, Any], reference_weights: Mapp
 
 
 def load_weights(path: str | Path) -> dict[str, Any]:
-    """Load a `safetensors` file of parameters (written by `hf_gradaccum.harness.arms.save_arm_weights`)."""
+    """Load a `safetensors` file of parameters (written by `harness.arms.save_arm_weights`)."""
     from safetensors.torch import load_file
 
     return load_file(str(path))
@@ -213,7 +213,7 @@ def primary_metric(eval_metrics: Mapping[str, float]) -> tuple[str | None, float
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import primary_metric
+    >>> from harness.reporting import primary_metric
     >>> primary_metric({"eval_loss": 0.5, "eval_accuracy": 0.8, "eval_runtime": 3.0})
     ('accuracy', 0.8)
     ```
@@ -241,7 +241,7 @@ def build_parity_report(
     whether it fits `max_memory_mb`, write one verdict per arm, and check the schema.
 
     Args:
-        arms (`Sequence[Mapping]`): per-arm results as written by `hf_gradaccum.harness.arms.collect_arm_result`.
+        arms (`Sequence[Mapping]`): per-arm results as written by `harness.arms.collect_arm_result`.
         metadata (`Mapping`): run-level fields: `recipe`, `command`, `model`, `dataset`, `train_samples`,
             `eval_samples`, `num_train_epochs`, `seed`, `device`, `total_wall_time_s`, and optionally
             `majority_class_accuracy`.
@@ -255,7 +255,7 @@ def build_parity_report(
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import build_parity_report
+    >>> from harness.reporting import build_parity_report
     >>> base = dict(kind="reference", status="ok", error=None, batchnorm="keep", batchnorm_layers=0,
     ...             compared_to=None, world_size=1, epochs=1.0, eval_metrics={"eval_accuracy": 0.8},
     ...             baseline_memory_mb=500.0, memory_kind="cpu_peak_rss", train_samples_per_second=30.0,
@@ -386,7 +386,7 @@ def arm_verdict(
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import arm_verdict
+    >>> from harness.reporting import arm_verdict
     >>> arm_verdict({"name": "small_batch", "status": "oom", "error": "CUDA out of memory"}, None,
     ...             max_memory_mb=1024)
     'small_batch: did not finish: out of memory under the 1,024 MiB limit.'
@@ -491,7 +491,7 @@ def validate_parity_report(report: Mapping[str, Any]) -> None:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import validate_parity_report
+    >>> from harness.reporting import validate_parity_report
     >>> validate_parity_report({"schema_version": 1})
     Traceback (most recent call last):
     ...
@@ -563,7 +563,7 @@ def render_parity_markdown(report: Mapping[str, Any]) -> str:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import render_parity_markdown
+    >>> from harness.reporting import render_parity_markdown
     >>> text = render_parity_markdown(report)  # doctest: +SKIP
     >>> text.splitlines()[0]  # doctest: +SKIP
     '# Parity report: finetune_bert'
@@ -628,7 +628,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import format_summary
+    >>> from harness.reporting import format_summary
     >>> print(format_summary(report))  # doctest: +SKIP
     ```
     """
@@ -670,7 +670,7 @@ def plot_loss_curves(report: Mapping[str, Any], path: str | Path) -> Path:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import plot_loss_curves
+    >>> from harness.reporting import plot_loss_curves
     >>> plot_loss_curves(report, "loss_curves.png")  # doctest: +SKIP
     ```
     """
@@ -754,7 +754,7 @@ def plot_memory(report: Mapping[str, Any], path: str | Path) -> Path:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import plot_memory
+    >>> from harness.reporting import plot_memory
     >>> plot_memory(report, "memory.png")  # doctest: +SKIP
     ```
     """
@@ -793,7 +793,7 @@ def write_parity_report(report: Mapping[str, Any], output_dir: str | Path) -> di
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.reporting import write_parity_report
+    >>> from harness.reporting import write_parity_report
     >>> paths = write_parity_report(report, "outputs/bert")  # doctest: +SKIP
     >>> sorted(paths)  # doctest: +SKIP
     ['json', 'loss_curves', 'markdown', 'memory']
@@ -840,7 +840,7 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 if __name__ == "__main__":
     # Re-render a report's Markdown and plots from its JSON (no training):
-    #   python -m hf_gradaccum.harness.reporting docs/resnet/parity_report.json
+    #   PYTHONPATH=recipes python -m harness.reporting docs/resnet/parity_report.json
     import sys
 
     for json_path in sys.argv[1:]:

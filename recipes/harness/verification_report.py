@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..adapters.accumulation_check import CHECK_FILE_NAME
+from hf_gradaccum.adapters.accumulation_check import CHECK_FILE_NAME
+
 from .arms import ArmSpec, arm_dir
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def with_verification(argv: Sequence[str], training_args: Any) -> list[str]:
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.verification_report import with_verification
+    >>> from harness.verification_report import with_verification
     >>> with_verification(["--max_steps", "2"], None)  # outside an FSDP launch
     ['--max_steps', '2', '--verify_accumulation', 'first_step']
     ```
@@ -73,7 +74,7 @@ def add_verification_to_report(output_dir: str | Path, specs: Sequence[ArmSpec])
     Example:
 
     ```python
-    >>> from hf_gradaccum.harness.verification_report import add_verification_to_report
+    >>> from harness.verification_report import add_verification_to_report
     >>> add_verification_to_report("outputs/finetune_resnet", specs)  # doctest: +SKIP
     {'accumulated': {'passed': False, 'causes': ['batchnorm'], ...}, ...}
     ```
