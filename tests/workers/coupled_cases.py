@@ -49,13 +49,17 @@ class TwoTower(nn.Module):
 def generic_coupled(model: nn.Module, **kwargs: Any) -> CoupledLoss:
     def embed(model: nn.Module, batch: dict) -> dict:
         # `target` (an int tensor) rides along with the representations, so it is gathered across ranks too.
-        return {"q": model(batch["q"]), "d": model(batch["d"]), "target": batch["target"]}
+        reps = {"q": model(batch["q"]), "d": model(batch["d"])}
+        if "target" in batch:
+            reps["target"] = batch["target"]
+        return reps
 
     def loss(reps: dict, model: nn.Module) -> torch.Tensor:
         scores = reps["q"] @ reps["d"].T * getattr(model, "module", model).log_temperature.exp()
         # a user's loss: in-batch negatives with the positive at `target`, plus a batch-level variance penalty
         # `target` holds window positions; relative to its first row, so one micro-batch alone is a valid batch too
-        target = reps["target"] - reps["target"].min()
+        # (without `target`: the positive of row i is row i)
+        target = reps["target"] - reps["target"].min() if "target" in reps else torch.arange(len(scores))
         return nn.functional.cross_entropy(scores, target) + reps["q"].var(0).mean()
 
     return CoupledLoss(embed, loss, **kwargs)
