@@ -1,0 +1,232 @@
+"""Ready-made coupled (in-batch-negative) losses for transformers models, and the Trainer that runs them exactly.
+
+- [`clip_coupled_loss`]: transformers' `CLIPModel` with `return_loss=True` semantics (symmetric InfoNCE over the
+  whole window, learnable `logit_scale` included).
+- [`ranking_coupled_loss`]: a sentence-embedding multiple-negatives ranking loss on a BERT-family encoder (mean
+  pooling, cosine similarity times `scale`, symmetric or not), as sentence-transformers'
+  `MultipleNegativesRankingLoss` / `MultipleNegativesSymmetricRankingLoss`.
+- Any other loss: [`~hf_gradaccum.engine.coupled.CoupledLoss`] with your own `embed_fn` and `loss_fn`.
+- [`CoupledLossTrainer`]: [`GradAccumTrainer`] with a `coupled_loss`: pass 1 over the window the Trainer prefetches
+  (`get_batch_samples`), pass 2 per micro-batch in `compute_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine.coupled import CoupledLoss, CoupledWindow, rows_in
+from .trainer import GradAccumTrainer
+
+__all__ = [
+    "CoupledLossTrainer",
+    "clip_coupled_loss",
+    "clip_window_loss",
+    "mean_pool",
+    "ranking_coupled_loss",
+    "ranking_window_loss",
+]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under DDP / torch.compile wrappers (for attributes such as `logit_scale`)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+# ---------------------------------------------------------------------------------------------------- CLIP
+CLIP_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
+
+
+def clip_window_loss(text_embeds: torch.Tensor, image_embeds: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """`CLIPModel(..., return_loss=True).loss` from normalised embeddings: symmetric cross-entropy over
+    `text @ image.T * exp(logit_scale)`, each text's own image as its target (and each image's own text)."""
+    logits_per_text = text_embeds @ image_embeds.t() * logit_scale.exp()
+    targets = torch.arange(len(logits_per_text), device=logits_per_text.device)
+    return (F.cross_entropy(logits_per_text, targets) + F.cross_entropy(logits_per_text.t(), targets)) / 2.0
+
+
+def clip_coupled_loss(model: nn.Module | None = None, **kwargs: Any) -> CoupledLoss:
+    """
+    The coupled loss of a transformers `CLIPModel` (or any model whose forward returns normalised `text_embeds`
+    and `image_embeds` and that has a `logit_scale` parameter): the window's `return_loss=True` loss. `model`, if
+    given, is only checked for a `logit_scale`; the loss uses the model that runs the window.
+    Micro-batches are dicts with `input_ids`, `attention_mask` (optional) and `pixel_values`; row `i` of the text is
+    the caption of row `i` of the images. `kwargs` go to [`CoupledLoss`].
+
+    Example:
+
+    ```python
+    >>> from transformers import CLIPConfig, CLIPModel
+    >>> from hf_gradaccum.adapters.coupled import clip_coupled_loss
+    >>> model = CLIPModel(CLIPConfig(text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    ...     "num_attention_heads": 2}, vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    ...     "num_attention_heads": 2, "image_size": 8, "patch_size": 4}, projection_dim=8))
+    >>> coupled = clip_coupled_loss(model)  # then coupled.accumulate_window(accumulator, model, micro_batches)
+    ```
+    """
+    if model is not None and not isinstance(getattr(_unwrap(model), "logit_scale", None), torch.Tensor):
+        raise ValueError(f"`model` ({type(_unwrap(model)).__name__}) has no `logit_scale`: is it a transformers `CLIPModel`?")
+
+    def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        out = model(**{k: batch[k] for k in CLIP_INPUTS if k in batch}, return_loss=False)
+        return {"text": out.text_embeds, "image": out.image_embeds}
+
+    def loss(reps: Mapping[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
+        return clip_window_loss(reps["text"], reps["image"], _unwrap(model).logit_scale)
+
+    return CoupledLoss(embed, loss, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- ranking
+def mean_pool(last_hidden_state: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the token vectors over the non-padding positions (sentence-transformers' mean pooling)."""
+    mask = attention_mask.unsqueeze(-1).to(last_hidden_state.dtype)
+    return (last_hidden_state * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+def ranking_window_loss(
+    anchors: torch.Tensor, positives: torch.Tensor, scale: float = 20.0, symmetric: bool = False
+) -> torch.Tensor:
+    """Multiple-negatives ranking loss: cross-entropy over `scale * cos(anchor_i, positive_j)`, target `j = i`
+    (every other positive of the batch is a negative); `symmetric` averages it with the positive-to-anchor one."""
+    scores = F.normalize(anchors, dim=-1) @ F.normalize(positives, dim=-1).t() * scale
+    targets = torch.arange(len(scores), device=scores.device)
+    forward = F.cross_entropy(scores, targets)
+    return (forward + F.cross_entropy(scores.t(), targets)) / 2.0 if symmetric else forward
+
+
+def ranking_coupled_loss(
+    scale: float = 20.0,
+    symmetric: bool = False,
+    anchor_prefix: str = "anchor_",
+    positive_prefix: str = "positive_",
+    **kwargs: Any,
+) -> CoupledLoss:
+    """
+    Multiple-negatives ranking loss on a BERT-family encoder (any model whose output has `last_hidden_state`), mean
+    pooled. Micro-batches are dicts with `anchor_input_ids`, `anchor_attention_mask`, `positive_input_ids`,
+    `positive_attention_mask` (and optionally `*_token_type_ids`); the prefixes are configurable. `kwargs` go to
+    [`CoupledLoss`].
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.coupled import ranking_coupled_loss
+    >>> coupled = ranking_coupled_loss(scale=20.0, symmetric=True)
+    ```
+    """
+    if not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"`scale` must be a number > 0, got {scale!r}.")
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"`symmetric` must be True or False, got {symmetric!r}.")
+
+    def encode(model: nn.Module, batch: Mapping[str, Any], prefix: str) -> torch.Tensor:
+        inputs = {k[len(prefix) :]: v for k, v in batch.items() if k.startswith(prefix)}
+        if "input_ids" not in inputs:
+            raise ValueError(f"A ranking micro-batch needs `{prefix}input_ids`; it has {sorted(batch)}.")
+        if "attention_mask" not in inputs:
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        return mean_pool(model(**inputs).last_hidden_state, inputs["attention_mask"])
+
+    def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {"anchor": encode(model, batch, anchor_prefix), "positive": encode(model, batch, positive_prefix)}
+
+    def loss(reps: Mapping[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
+        return ranking_window_loss(reps["anchor"], reps["positive"], scale, symmetric)
+
+    kwargs.setdefault("num_items_fn", lambda batch: rows_in(batch[anchor_prefix + "input_ids"]))
+    return CoupledLoss(embed, loss, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- Trainer
+class CoupledLossTrainer(GradAccumTrainer):
+    """
+    [`GradAccumTrainer`] for a loss over the whole window (in-batch negatives), exact to the large batch of
+    `per_device_train_batch_size * gradient_accumulation_steps * world_size` samples.
+
+    Overrides only public Trainer hooks:
+    - `get_batch_samples`: keeps the window the Trainer prefetches (pass 1 needs all of it before any backward);
+    - `training_step`: before the window's first micro-batch, runs pass 1 and the window loss; after its last,
+      leaves the RNG where one pass over the window would have;
+    - `compute_loss`: returns the micro-batch's pass-2 surrogate (which `GradAccumTrainer` weights and accumulates
+      as any loss); outside training (evaluation) the coupled loss of the batch alone;
+    - `count_micro_batch_items`: the coupled loss's items (rows by default).
+
+    Use a data collator that returns the dict the `embed_fn` expects, and `remove_unused_columns=False`.
+    `auto_find_batch_size` is refused: splitting a micro-batch into chunks would change its dropout masks.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumArguments
+    >>> from hf_gradaccum.adapters.coupled import CoupledLossTrainer, ranking_coupled_loss
+    >>> args = GradAccumArguments("out", per_device_train_batch_size=16, gradient_accumulation_steps=8,
+    ...                           remove_unused_columns=False)
+    >>> trainer = CoupledLossTrainer(model=encoder, args=args, train_dataset=pairs, data_collator=collate,
+    ...                              coupled_loss=ranking_coupled_loss(scale=20.0))  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, *args: Any, coupled_loss: CoupledLoss, **kwargs: Any) -> None:
+        if not isinstance(coupled_loss, CoupledLoss):
+            raise ValueError(f"`coupled_loss` must be a CoupledLoss, got {type(coupled_loss).__name__}.")
+        super().__init__(*args, **kwargs)
+        if self.args.auto_find_batch_size:
+            raise ValueError(
+                "`auto_find_batch_size=True` cannot be used with CoupledLossTrainer: the out-of-memory retry splits "
+                "a micro-batch into chunks, whose recomputed representations would draw other dropout masks than "
+                "pass 1. Choose a micro-batch that fits (the window's representations are the only extra memory)."
+            )
+        self.coupled_loss = coupled_loss
+        self._coupled_batches: list[Any] = []
+        self._coupled_index = 0
+        self._coupled_window: CoupledWindow | None = None
+        self._coupled_current: int | None = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._coupled_batches = list(batch_samples)
+        self._coupled_index = 0
+        self._coupled_window = None
+        return batch_samples, num_items
+
+    def count_micro_batch_items(self, inputs: dict[str, Any]) -> int:
+        return self.coupled_loss.num_items_fn(inputs)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        batches = self._coupled_batches
+        index = self._coupled_index
+        if index >= len(batches):
+            # Called outside `train()`'s window loop (e.g. directly): the micro-batch is a window of its own.
+            batches, index = [inputs], 0
+            self._coupled_batches, self._coupled_window = batches, None
+        if index == 0:
+            model.train()
+            with torch.no_grad(), self.compute_loss_context_manager():
+                prepared = [self._prepare_inputs(b) for b in batches]
+            with self.compute_loss_context_manager():
+                self._coupled_window = self.coupled_loss.prepare_window(model, prepared)
+        self._coupled_current = index
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._coupled_current = None
+        self._coupled_index = index + 1
+        if self._coupled_index == len(batches):
+            self.coupled_loss.finish_passes(self._coupled_window)
+            self.coupled_loss.last_window = self._coupled_window
+            self._coupled_window = None
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._coupled_current is not None and self._coupled_window is not None:
+            loss = self.coupled_loss.micro_batch_loss(self._coupled_window, model, self._coupled_current, inputs)
+        else:
+            loss = self.coupled_loss.window_loss(model, [inputs])
+        return (loss, {"loss": loss}) if return_outputs else loss

@@ -1,0 +1,117 @@
+"""Coupled-loss mode through the Trainer (`CoupledLossTrainer`): one optimizer step (SGD, lr 1, no clipping) over a
+window of uneven micro-batches (4, 4, 2) with dropout ON equals the large-batch step over the same 10 samples with
+the same dropout masks (one graph, each micro-batch's forward from the RNG state it had in pass 1); plain
+accumulation through `GradAccumTrainer` (each micro-batch's own in-batch loss) is shown next to it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum.adapters.coupled import CoupledLossTrainer
+from tests.workers.coupled_cases import (
+    CASES,
+    clip_batches,
+    generic_batches,
+    ranking_batches,
+    reference_gradient,
+    relative_error,
+)
+
+TOL = 1e-5
+
+
+def _rows(case: str) -> list[dict]:
+    batches = {"generic": generic_batches, "clip": clip_batches, "ranking": ranking_batches}[case]((10,))
+    rows = [{k: v[i] for k, v in batches[0].items() if k != "target"} for i in range(10)]
+    return rows
+
+
+def _args(tmp_path, dropout_seed: int = 0) -> GradAccumArguments:
+    return GradAccumArguments(
+        str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        remove_unused_columns=False,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=dropout_seed,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+
+
+class PlainInBatchTrainer(GradAccumTrainer):
+    """Plain accumulation of an in-batch loss: each micro-batch's own loss, item (row) weighted."""
+
+    def __init__(self, *args, coupled_loss, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coupled_loss = coupled_loss
+
+    def count_micro_batch_items(self, inputs):
+        return self.coupled_loss.num_items_fn(inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = self.coupled_loss.window_loss(model, [inputs])
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+
+def _update(model0, trainer_model) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p1.detach() - p0.detach()).reshape(-1)
+            for p0, p1 in zip(model0.parameters(), trainer_model.parameters(), strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize("case", ["generic", "clip", "ranking"])
+def test_trainer_coupled_step_equals_large_batch(tmp_path, case):
+    torch.manual_seed(0)
+    model, coupled, _ = CASES[case](0.1, check_recompute=True)
+    model0 = copy.deepcopy(model)
+    rows = _rows(case)
+    trainer = CoupledLossTrainer(
+        model=model, args=_args(tmp_path / "coupled"), train_dataset=rows, coupled_loss=coupled
+    )
+    trainer.train()
+    window = coupled.last_window
+    batches = trainer._coupled_batches
+    assert [len(next(iter(b.values()))) for b in batches] == [4, 4, 2]
+    assert window.recompute_max_abs_diff == [0.0, 0.0, 0.0]  # pass 2 == pass 1, bitwise, dropout on
+    ref_update = -reference_gradient(model0, coupled, batches, window.rng_states)
+    got = _update(model0, trainer.model)
+    err = relative_error(got, ref_update)
+    # the logged training loss is the window (large-batch) loss
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged and abs(logged[0] - float(window.loss)) <= 1e-4 * abs(float(window.loss))
+
+    plain_model = copy.deepcopy(model0)
+    plain = PlainInBatchTrainer(
+        model=plain_model, args=_args(tmp_path / "plain"), train_dataset=rows, coupled_loss=coupled
+    )
+    plain.train()
+    plain_err = relative_error(_update(model0, plain.model), ref_update)
+    print(f"Trainer {case}: coupled {err:.2e}, plain accumulation {plain_err:.2e}")
+    assert err <= TOL, err
+    assert plain_err > 1e-2, plain_err
+
+
+def test_trainer_refuses_auto_find_batch_size(tmp_path):
+    model, coupled, _ = CASES["generic"](0.0)
+    args = _args(tmp_path)
+    args.auto_find_batch_size = True
+    with pytest.raises(ValueError, match="auto_find_batch_size"):
+        CoupledLossTrainer(model=model, args=args, train_dataset=_rows("generic"), coupled_loss=coupled)
+    with pytest.raises(ValueError, match="coupled_loss"):
+        CoupledLossTrainer(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=None)
