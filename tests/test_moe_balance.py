@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from hf_gradaccum import GradAccumArguments, GradientAccumulator, count_items_in_batch
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator, count_items_in_batch
 from hf_gradaccum.adapters.moe import GradAccumMoETrainer, MoEWindowBalanceMixin, WindowRouterBalance
 from hf_gradaccum.helpers.moe_balance import exact_aux_term, router_counts
 from tests.composition_cases import (
@@ -186,3 +186,31 @@ def test_trainer_exact_mode_matches_the_large_batch(tmp_path):
     )
     assert exact <= RTOL
     assert default > 100 * exact and default > 1e-4
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_sft_trainer_exact_mode_does_not_divide_the_router_loss(tmp_path):
+    """TRL's SFTTrainer adds `coef * aux / current_gradient_accumulation_steps`; in window mode that term is off and
+    the exact one takes its place, so the router loss is neither divided twice nor counted twice."""
+    from trl import SFTTrainer
+
+    from hf_gradaccum import GradAccumSFTConfig
+
+    class MoESFT(MoEWindowBalanceMixin, GradAccumTrainer, SFTTrainer):
+        pass
+
+    torch.manual_seed(0)
+    args = GradAccumSFTConfig(str(tmp_path), bf16=False, **TRAIN_ARGS)
+    trainer, windows, initial, start = train_and_collect(
+        MoESFT,
+        args,
+        model=tiny_mixtral(),
+        train_dataset=text_dataset(NUM_SAMPLES),
+        processing_class=word_tokenizer(),
+        moe_load_balance="window",
+    )
+    assert trainer.aux_loss_enabled  # TRL would add its own (divided) router term: the mode must replace it
+    error = update_error(initial, trainer.model, sgd_reference(start, windows, large_batch_loss))
+    # The default (micro_batch) mode in this composition: tests/test_composition.py::...sft_moe_router_aux_loss.
+    print(f"SFTTrainer composition, window mode: relative update error {error:.2e}")
+    assert error <= RTOL
