@@ -9,6 +9,7 @@ padded; windows are uneven too. The default per-micro-batch term's error is prin
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -214,3 +215,20 @@ def test_sft_trainer_exact_mode_does_not_divide_the_router_loss(tmp_path):
     # The default (micro_batch) mode in this composition: tests/test_composition.py::...sft_moe_router_aux_loss.
     print(f"SFTTrainer composition, window mode: relative update error {error:.2e}")
     assert error <= RTOL
+
+
+@pytest.mark.slow
+def test_ddp_exact_mode_matches_the_large_batch_over_all_ranks(tmp_path):
+    """2 gloo processes, uneven items per rank: the window's expert counts are all-reduced, so every rank uses the
+    routing statistics of the large batch over all ranks' samples."""
+    from tests.multiprocess import launch
+
+    launch(str(tmp_path), script="tests/workers/moe_ddp.py")
+    records = [json.loads((tmp_path / f"moe_ddp_rank{r}.json").read_text()) for r in (0, 1)]
+    for r in records:
+        print(
+            f"DDP rank {r['rank']}: relative update error window {r['window']:.2e}, micro_batch {r['micro_batch']:.2e}"
+        )
+        assert r["window"] <= RTOL
+        assert r["micro_batch"] > 100 * r["window"]
+        assert abs(r["window_aux"][0] - r["large_batch_aux"][0]) <= RTOL * r["large_batch_aux"][0]
