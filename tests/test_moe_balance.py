@@ -232,3 +232,33 @@ def test_ddp_exact_mode_matches_the_large_batch_over_all_ranks(tmp_path):
         assert r["window"] <= RTOL
         assert r["micro_batch"] > 100 * r["window"]
         assert abs(r["window_aux"][0] - r["large_batch_aux"][0]) <= RTOL * r["large_batch_aux"][0]
+
+
+def test_training_forwards_route_as_counted_with_router_jitter(start_and_windows):
+    """With router jitter (random in train mode), the forward-only pass restores the torch RNG state, so the training
+    forwards draw the same noise and route exactly as the window's counts say; without the restore they differ."""
+    from hf_gradaccum.adapters.moe import capture_router_logits
+
+    model, windows = start_and_windows
+    model = copy.deepcopy(model).train()
+    model.config.router_jitter_noise = 0.5
+    for module in model.modules():
+        if hasattr(module, "jitter_noise"):
+            module.jitter_noise = 0.5
+    balance = WindowRouterBalance(model)
+    window = windows[0]
+
+    def training_counts():
+        total = None
+        for batch in window:
+            with capture_router_logits(model) as logits:
+                balance.micro_batch_loss(batch)
+            counts = router_counts(logits, 4, 2, batch["attention_mask"])
+            total = counts if total is None else total + counts
+        return total.expert_counts
+
+    balance.prepare_window(window)
+    assert torch.equal(training_counts(), balance.window.expert_counts)
+    balance.prepare_window(window)
+    torch.manual_seed(12345)  # other noise than the counted pass drew: the routing no longer matches the counts
+    assert not torch.equal(training_counts(), balance.window.expert_counts)
