@@ -191,7 +191,7 @@ def exact_aux_term(
     >>> b = [torch.randn(6, 3, requires_grad=True)]
     >>> window = router_counts(a, 3, 2) + router_counts(b, 3, 2)
     >>> total = exact_aux_term(a, window) + exact_aux_term(b, window)
-    >>> round(float(total), 6) == round(window.aux_loss, 6)
+    >>> abs(float(total.detach()) - window.aux_loss) < 1e-5  # the large batch's aux loss
     True
     ```
     """
