@@ -36,6 +36,9 @@ _EXPORTS: dict[str, str] = {
     "GradAccumTrainer": ".adapters.trainer",
     "make_gradaccum_trainer": ".adapters.trainer",
     "GradAccumSFTConfig": ".adapters.trl_support",
+    "GradAccumMoETrainer": ".adapters.moe",
+    "MoEWindowBalanceMixin": ".adapters.moe",
+    "WindowRouterBalance": ".adapters.moe",
     "GradAccumDPOConfig": ".adapters.trl_support",
     "GradAccumRewardConfig": ".adapters.trl_support",
     "effective_batch_size": ".helpers.lr_scaling",
@@ -66,13 +69,16 @@ __all__ = [
     "GradAccumArguments",
     "GradAccumDPOConfig",
     "GradAccumFields",
+    "GradAccumMoETrainer",
     "GradAccumRewardConfig",
     "GradAccumSFTConfig",
     "GradAccumSeq2SeqArguments",
     "GradAccumTrainer",
     "GradientAccumulator",
+    "MoEWindowBalanceMixin",
     "SplitInvarianceResult",
     "WindowResult",
+    "WindowRouterBalance",
     "accumulation_bn_momentum",
     "apply_accumulation_bn_momentum",
     "convert_batchnorm_to_groupnorm",
@@ -111,6 +117,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         GradAccumSeq2SeqArguments,
         with_gradaccum_fields,
     )
+    from .adapters.moe import GradAccumMoETrainer, MoEWindowBalanceMixin, WindowRouterBalance
     from .adapters.trainer import GradAccumTrainer, make_gradaccum_trainer
     from .adapters.trl_support import GradAccumDPOConfig, GradAccumRewardConfig, GradAccumSFTConfig
     from .engine.accumulator import GradientAccumulator
