@@ -150,14 +150,10 @@ class GradientAccumulator:
         bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
 
         refuse_sharded_engines(model)
-        # What `backward(loss, batch=...)` counts: learned once, by duck typing (the engine does not import
-        # transformers), from the model itself; parameters carry no such knowledge.
-        self._model_kind = (
-            f"`{type(model).__name__}` that is not a transformers model with a recognisable loss"
-            if isinstance(model, nn.Module)
-            else "parameters"
-        )
-        self._loss_shifts_labels = loss_shifts_labels(model) if isinstance(model, nn.Module) else None
+        # What `backward(loss, batch=...)` counts: learned once from the model itself, by duck typing (the engine does
+        # not import transformers), at the first `batch=`; parameters carry no such knowledge.
+        self._model = model if isinstance(model, nn.Module) else None
+        self._shift: tuple[bool | None] | None = None  # the cached answer, once asked
         params = model.parameters() if isinstance(model, nn.Module) else model
         seen: set[int] = set()
         self.parameters: list[nn.Parameter] = []
@@ -331,7 +327,9 @@ class GradientAccumulator:
     def loss_shifts_labels(self) -> bool | None:
         """Whether the model's own loss shifts its labels (causal LM), as learned from the `model` given to the
         constructor; `None` when it cannot be told (parameters given, or not a transformers model)."""
-        return self._loss_shifts_labels
+        if self._shift is None:
+            self._shift = (None if self._model is None else loss_shifts_labels(self._model),)
+        return self._shift[0]
 
     def _resolve_num_items(
         self, num_items: int | float | torch.Tensor | None, batch: Mapping[str, Any] | None
@@ -345,14 +343,19 @@ class GradientAccumulator:
             raise ValueError(
                 f"`batch` must be a mapping of the model's inputs (e.g. a dict with `labels`), got {type(batch).__name__}."
             )
-        if self._loss_shifts_labels is None:
-            given = "parameters, not the model" if self._model_kind == "parameters" else f"a {self._model_kind}"
+        shift = self.loss_shifts_labels
+        if shift is None:
+            given = (
+                "parameters, not the model"
+                if self._model is None
+                else f"a `{type(self._model).__name__}` that is not a transformers model with a recognisable loss"
+            )
             raise ValueError(
                 "`batch=` needs to know whether the model's loss shifts its labels (a causal LM divides by one token "
                 f"fewer per row), and this accumulator cannot tell: it was given {given}. Pass "
                 "`num_items=count_items_in_batch(batch, shift_labels=...)` (or `count_items(...)`) instead."
             )
-        return count_items_in_batch(batch, shift_labels=self._loss_shifts_labels)
+        return count_items_in_batch(batch, shift_labels=shift)
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:
