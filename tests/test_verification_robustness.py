@@ -367,3 +367,20 @@ def test_wav2vec2_sum_ctc_counted_in_tokens_is_a_sum_loss(g):
     model = tiny_wav2vec2(ctc_loss_reduction="sum")
     result = verify_split_invariance(model, speech_window(g, [[3, 2, 4], [2, 4, 1]]))
     assert result.verdict == "not_exact" and {c.kind for c in result.diagnosis.causes} == {"sum_loss"}
+
+
+class CallCounter(Tagger):
+    """Deterministic but not stateless: a plain attribute (not a buffer the probe can reset) changes every forward."""
+
+    calls = 0
+
+    def forward(self, input_ids, attention_mask, labels):
+        self.calls += 1
+        logits = self.head(torch.tanh(self.embed(input_ids)) * (1 + 0.1 * self.calls))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def test_state_outside_buffers_is_cannot_decide_without_blaming_an_rng(g):
+    result = verify_split_invariance(CallCounter(), token_window(g, [[7, 5, 3, 6], [4, 7, 2, 5]]))
+    assert result.verdict == "cannot_decide", result.summary()
+    assert "no random generator advanced" in result.why[0]
