@@ -142,17 +142,21 @@ class NoisyTagger(StochasticTagger):
         x = self.embed(input_ids)
         if self.source == "numpy":
             noise = torch.from_numpy(np.random.randn(*x.shape).astype("float32"))
+        elif self.source == "python":
+            noise = torch.full_like(x, random.gauss(0.0, 1.0))
         else:
             noise = torch.randn_like(x)
         logits = self.head(torch.tanh(self.layers[0](x + 0.3 * noise)))
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-@pytest.mark.parametrize("source,named", [("numpy", "numpy global RNG"), ("torch", "torch CPU RNG")])
+@pytest.mark.parametrize(
+    "source,named", [("numpy", "numpy global RNG"), ("torch", "torch CPU RNG"), ("python", "Python `random`")]
+)
 def test_a_forward_that_stays_random_is_cannot_decide_naming_the_rng(g, source, named):
     model = NoisyTagger(source)
     window = token_window(g, [[7, 5, 3, 6], [4, 7, 2, 5]])
-    numpy_state = np.random.get_state()
+    numpy_state, python_state, torch_state = np.random.get_state(), random.getstate(), torch.get_rng_state()
     result = verify_split_invariance(model, window)
     assert result.verdict == "cannot_decide" and not result.passed, result.summary()
     assert result.rel_diffs["repeat"] > 1e-5  # the window computed twice differs
@@ -161,6 +165,7 @@ def test_a_forward_that_stays_random_is_cannot_decide_naming_the_rng(g, source, 
     assert kinds == ["nondeterministic_forward"]
     assert "CANNOT DECIDE" in result.summary()
     assert np.array_equal(np.random.get_state()[1], numpy_state[1])
+    assert random.getstate() == python_state and torch.equal(torch.get_rng_state(), torch_state)
 
 
 # ------------------------------------------------------------------ 2. never crash on a model that trains
@@ -220,6 +225,14 @@ def test_a_forward_that_raises_on_a_split_is_cannot_decide_with_the_message_and_
     assert "'half' split" in why and "RuntimeError: this model needs micro-batches of 4 rows, got 2" in why
     assert "in forward" in why and "test_verification_robustness.py" in why  # where it was raised
     assert_unchanged(model, before)
+
+
+def test_a_forward_that_raises_on_the_window_itself_is_cannot_decide(g):
+    model = ShapeFussyNet()
+    window = [{"x": torch.randn(2, 4, generator=g), "labels": torch.randint(0, CLASSES, (2,), generator=g)}
+              for _ in range(2)]  # fmt: skip
+    result = verify_split_invariance(model, window)
+    assert result.verdict == "cannot_decide" and "'window' split" in result.why[0] and "got 2" in result.why[0]
 
 
 # ------------------------------------------------------------------ 3. diagnoses that do not depend on luck
@@ -354,3 +367,20 @@ def test_wav2vec2_sum_ctc_counted_in_tokens_is_a_sum_loss(g):
     model = tiny_wav2vec2(ctc_loss_reduction="sum")
     result = verify_split_invariance(model, speech_window(g, [[3, 2, 4], [2, 4, 1]]))
     assert result.verdict == "not_exact" and {c.kind for c in result.diagnosis.causes} == {"sum_loss"}
+
+
+class CallCounter(Tagger):
+    """Deterministic but not stateless: a plain attribute (not a buffer the probe can reset) changes every forward."""
+
+    calls = 0
+
+    def forward(self, input_ids, attention_mask, labels):
+        self.calls += 1
+        logits = self.head(torch.tanh(self.embed(input_ids)) * (1 + 0.1 * self.calls))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def test_state_outside_buffers_is_cannot_decide_without_blaming_an_rng(g):
+    result = verify_split_invariance(CallCounter(), token_window(g, [[7, 5, 3, 6], [4, 7, 2, 5]]))
+    assert result.verdict == "cannot_decide", result.summary()
+    assert "no random generator advanced" in result.why[0]

@@ -314,11 +314,17 @@ def stateful_cause(changed_buffers: Sequence[str], model: nn.Module) -> Cause | 
 
 
 def nondeterminism_cause(rel_diff: float, sources: Sequence[str], modules: Sequence[str]) -> Cause:
-    drawn = f"; a forward draws from {', '.join(sources)}" if sources else ""
+    if sources:
+        drawn = f"; a forward draws from {', '.join(sources)}: randomness the probe cannot switch off"
+    else:
+        drawn = (
+            "; no random generator advanced during a forward: state kept outside buffers (attributes or parameters "
+            "updated by the forward), or nondeterministic kernels"
+        )
     return Cause(
         "nondeterministic_forward",
         f"the same split computed twice differs by {rel_diff:.2e} (relative) with every known random layer and "
-        f"config switch neutralised{drawn}: randomness the probe cannot switch off, or nondeterministic kernels.",
+        f"config switch neutralised{drawn}.",
         FIXES["nondeterministic_forward"],
         list(modules),
     )

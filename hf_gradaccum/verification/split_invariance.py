@@ -353,8 +353,7 @@ def verify_split_invariance(
             cause = nondeterminism_cause(noise, sources, [m for m, _ in top_modules])
             why = [
                 f"the window computed twice differs by {noise:.2e} (relative), comparable to the split difference "
-                f"{max_rel:.2e}: the forward is random in a way the probe could not switch off, so a split "
-                f"difference cannot be told from noise. {cause.detail}"
+                f"{max_rel:.2e}, so a split difference cannot be told from the forward's own variation. {cause.detail}"
             ]
             diagnosis = Diagnosis(top_params, top_modules, [cause])
             return result(CANNOT_DECIDE, rel_diffs=rel_diffs, why=why, diagnosis=diagnosis,
