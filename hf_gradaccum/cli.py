@@ -24,17 +24,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only once the inputs are checked: a usage error costs no import of torch
     import torch
 
+from .input_checks import InputError
+
 TASKS = ("seq-cls", "token-cls", "causal-lm", "masked-lm", "image-cls")
 NORMALIZATION_CHOICES = ("keep", "groupnorm", "freeze")
 EXIT_EXACT, EXIT_NOT_EXACT, EXIT_BAD_INPUT, EXIT_CANNOT_DECIDE, EXIT_INTERNAL_ERROR = 0, 1, 2, 3, 4
 EXIT_CODES = {"exact": EXIT_EXACT, "not_exact": EXIT_NOT_EXACT, "cannot_decide": EXIT_CANNOT_DECIDE}
-# A reachability probe, not a download: one TCP connection with a short timeout instead of a client's retries.
-HUB_PROBE_TIMEOUT_S = 3.0
-DATA_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet", ".txt", ".tsv")
-
-
-class InputError(Exception):
-    """A bad argument or input file, reported as one line with exit status 2."""
 
 
 def _positive_int(text: str) -> int:
@@ -94,72 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---------------------------------------------------------------------------------------------------- input checks
-def _hub_offline() -> bool:
-    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
-               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))  # fmt: skip
-
-
-def _hub_unreachable_reason() -> str | None:
-    """Why the Hub cannot be used now (offline mode, or no connection within a few seconds), or None."""
-    if _hub_offline():
-        return "the Hub is switched off (HF_HUB_OFFLINE=1)"
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as error:
-        return f"{constants.ENDPOINT} cannot be reached ({type(error).__name__}: {error})"
-    return None
-
-
-def _looks_like_path(value: str) -> bool:
-    return value.startswith(("/", ".", "~")) or value.endswith(DATA_SUFFIXES) or value.count("/") > 1
-
-
-def _check_model(value: str) -> None:
-    if os.path.exists(value):
-        if not os.path.isfile(os.path.join(value, "config.json")):
-            raise InputError(f"--model {value}: not a model folder (no config.json in it).")
-        return
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        raise InputError(f"--model {value}: no such folder, and not a Hub id.") from None
-    if _looks_like_path(value):
-        raise InputError(f"--model {value}: no such folder.")
-    if isinstance(try_to_load_from_cache(value, "config.json"), str):
-        return  # in the local cache: loads without the network
-    reason = _hub_unreachable_reason()
-    if reason is not None:
-        raise InputError(f"--model {value}: no such folder, and it is not in the local cache while {reason}.")
-
-
-def _check_dataset(value: str) -> None:
-    if os.path.exists(value):
-        return
-    if _looks_like_path(value):
-        raise InputError(f"--dataset {value}: no such file or folder.")
-    from huggingface_hub import constants
-
-    cached = [os.path.join(constants.HF_HUB_CACHE, "datasets--" + value.replace("/", "--")),
-              os.path.join(os.environ.get("HF_DATASETS_CACHE", os.path.join(constants.HF_HOME, "datasets")),
-                           value.replace("/", "___"))]  # fmt: skip
-    if any(os.path.isdir(path) for path in cached):
-        return
-    reason = _hub_unreachable_reason()
-    if reason is not None:
-        raise InputError(f"--dataset {value}: no such file, and not in the local cache while {reason}.")
-
-
 def _check_json_destination(value: str) -> None:
     if os.path.isdir(value):
         raise InputError(f"--json {value}: is a folder; give a file path.")
@@ -173,16 +102,17 @@ def _check_json_destination(value: str) -> None:
 def check_inputs(args: argparse.Namespace) -> None:
     """Every path, Hub id and offline default the run needs, checked before anything loads: `InputError` if not."""
     from .assets import MissingAssetError, locate_asset
+    from .input_checks import check_dataset_source, check_model_source
 
     if args.json is not None:
         _check_json_destination(args.json)
     try:
         if args.model is not None:
-            _check_model(args.model)
+            check_model_source(args.model, "--model")
         elif args.task != "image-cls":
             locate_asset("minilm", alternative="Or pass --model.")
         if args.dataset is not None:
-            _check_dataset(args.dataset)
+            check_dataset_source(args.dataset, "--dataset")
         else:
             locate_asset(
                 "mnist_5k" if args.task == "image-cls" else "rotten_tomatoes", alternative="Or pass --dataset."

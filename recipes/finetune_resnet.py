@@ -52,7 +52,7 @@ from harness.arms import (
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from harness.config import ConfigError, RecipeArgumentParser
+from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
 from harness.metrics import metric_path
 from harness.verification_report import add_verification_to_report, with_verification
 from torch.nn import functional as F
@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
             run_arm(spec, recipe_args, parity_args, training_args.output_dir, argv)
             return 0
         # Everything that can be wrong with the configuration is checked here, before any arm starts.
+        check_sources_and_rate(
+            model=recipe_args.model_name_or_path,
+            dataset=recipe_args.dataset_name,
+            learning_rate=training_args.learning_rate,
+        )
         data = load_image_data(recipe_args, training_args.seed)
         check_before_training(specs, data, training_args)
     except (ConfigError, MissingAssetError) as error:

@@ -266,3 +266,35 @@ def _scalar_token(key: str, value: Any, path: Path) -> str:
 def dataclass_field_names(*dataclass_types: type) -> set[str]:
     """All field names of the given dataclasses (the valid YAML keys of a recipe)."""
     return {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
+
+
+def check_sources_and_rate(*, model: str | None, dataset: str | None, learning_rate: float) -> None:
+    """
+    What the configuration names outside itself, checked in milliseconds before any arm starts: the model and the
+    dataset (a path that exists, a cached Hub id, or a Hub id while the Hub is reachable) and a learning rate that
+    can train. Raises a one-line [`ConfigError`] naming the option.
+
+    Example:
+
+    ```python
+    >>> from harness.config import ConfigError, check_sources_and_rate
+    >>> try:
+    ...     check_sources_and_rate(model=None, dataset=None, learning_rate=0.0)
+    ... except ConfigError as error:
+    ...     print(error)
+    --learning_rate must be > 0 (a rate of 0 leaves the model unchanged: nothing to compare), got 0.0.
+    ```
+    """
+    from hf_gradaccum.input_checks import InputError, check_dataset_source, check_model_source
+
+    if not learning_rate > 0:  # also NaN
+        raise ConfigError(
+            f"--learning_rate must be > 0 (a rate of 0 leaves the model unchanged: nothing to compare), got {learning_rate}."
+        )
+    try:
+        if model is not None:
+            check_model_source(model, "--model_name_or_path")
+        if dataset is not None:
+            check_dataset_source(dataset, "--dataset_name")
+    except InputError as error:
+        raise ConfigError(str(error)) from None
