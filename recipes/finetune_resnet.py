@@ -46,6 +46,7 @@ from harness.arms import (
     describe_device,
     describe_layout,
     launch_command,
+    per_arm_settings,
     perturb_for_noise_floor,
     plan_arms,
     report_parity_run,
@@ -135,7 +136,11 @@ def parse_args(argv: list[str]) -> tuple[ResNetRecipeArguments, ParityArguments,
     """YAML `--config` (default: configs/finetune_resnet.yaml) as defaults, command-line flags on top."""
     default_config = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
     parser = RecipeArgumentParser(
-        (ResNetRecipeArguments, ParityArguments, GradAccumArguments), default_config=default_config
+        (ResNetRecipeArguments, ParityArguments, GradAccumArguments),
+        default_config=default_config,
+        # Every arm proves split invariance on its first window unless told otherwise (`with_verification`).
+        run_defaults={"verify_accumulation": "first_step"},
+        fixed=per_arm_settings(),
     )
     return parser.parse_recipe_args(argv)
 

@@ -35,13 +35,15 @@ def with_verification(argv: Sequence[str], training_args: Any) -> list[str]:
     ```
     """
     argv = list(argv)
-    if "--verify_accumulation" in argv or getattr(training_args, "verify_accumulation", "off") != "off":
+    if "--verify_accumulation" in argv:
         return argv
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
         logger.warning(
             "FSDP launch: the arms' split-invariance check (`verify_accumulation`) is skipped, since it cannot run on "
             "sharded parameters. Check the model once on one process with `hf-gradaccum verify`."
         )
+        return [*argv, "--verify_accumulation", "off"]
+    if getattr(training_args, "verify_accumulation", "off") != "off":
         return argv
     return [*argv, "--verify_accumulation", "first_step"]
 
