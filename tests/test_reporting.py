@@ -348,12 +348,13 @@ def test_failed_arm_prints_one_line_with_cause_and_log(tmp_path, capsys):
 
 
 def test_recipes_add_the_check_except_under_an_fsdp_launch(monkeypatch):
-    """`accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP; the check (refused under FSDP2) is then not
-    added, so the documented `configs/accelerate/fsdp2.yaml` launch of a recipe does not stop on it."""
+    """`accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP; the check (refused under FSDP2) is then turned
+    off explicitly (the recipes' own default is `first_step`, shown by `--help`), so the documented
+    `configs/accelerate/fsdp2.yaml` launch of a recipe does not stop on it."""
     from harness.verification_report import with_verification
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert with_verification(["--x"], None) == ["--x", "--verify_accumulation", "first_step"]
     assert with_verification(["--verify_accumulation", "off"], None) == ["--verify_accumulation", "off"]
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert with_verification(["--x"], None) == ["--x"]
+    assert with_verification(["--x"], None) == ["--x", "--verify_accumulation", "off"]

@@ -235,6 +235,30 @@ def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:
         "per_device_train_batch_size": spec.micro_batch_size,
         "gradient_accumulation_steps": spec.gradient_accumulation_steps,
         "output_dir": arm_dir(output_dir, spec.name),
+        **per_arm_settings(),
+    }
+    return [
+        token
+        for key, value in overrides.items()
+        for token in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))
+    ]
+
+
+def per_arm_settings() -> dict[str, Any]:
+    """
+    Training arguments every arm runs with, whatever the YAML or the command line say (the recipes' `--help` shows
+    them as their defaults): one log per optimizer step, no checkpoints, no mid-run evaluation, and no pinned memory
+    without an accelerator.
+
+    Example:
+
+    ```python
+    >>> from harness.arms import per_arm_settings
+    >>> per_arm_settings()["logging_steps"]
+    1
+    ```
+    """
+    settings: dict[str, Any] = {
         "logging_strategy": "steps",
         "logging_steps": 1,
         "save_strategy": "no",
@@ -242,8 +266,8 @@ def arm_overrides(spec: ArmSpec, output_dir: str | Path) -> list[str]:
     }
     if not accelerator_available():
         # Pinned memory needs an accelerator; without one the DataLoader warns on every arm.
-        overrides["dataloader_pin_memory"] = "false"
-    return [token for key, value in overrides.items() for token in (f"--{key}", str(value))]
+        settings["dataloader_pin_memory"] = False
+    return settings
 
 
 def check_batch_layout(specs: Sequence[ArmSpec], *, train_samples: int, eval_samples: int, training_args: Any) -> None:

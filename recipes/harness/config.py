@@ -53,9 +53,33 @@ class RecipeArgumentParser(HfArgumentParser):
     ```
     """
 
-    def __init__(self, dataclass_types: Iterable[type], *, default_config: str | Path | None = None, **kwargs: Any):
-        super().__init__(list(dataclass_types), **kwargs)
+    def __init__(
+        self,
+        dataclass_types: Iterable[type],
+        *,
+        default_config: str | Path | None = None,
+        run_defaults: dict[str, Any] | None = None,
+        fixed: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        dataclass_types = list(dataclass_types)
+        kwargs.setdefault("usage", "%(prog)s [--config YAML] [--option VALUE ...] (options below)")
+        super().__init__(dataclass_types, **kwargs)
         self.default_config = None if default_config is None else Path(default_config)
+        # `run_defaults`: what the recipe runs when neither the YAML nor the command line says otherwise (the YAML
+        # may override them). `fixed`: set by the recipe for every arm whatever the YAML or the command line say.
+        # Both become the parser's defaults so that `--help` shows the values that run.
+        self.run_defaults = dict(run_defaults or {})
+        self.fixed = dict(fixed or {})
+        self.set_defaults(**self.run_defaults, **self.fixed)
+        actions = self._actions_by_dest()
+        for name in self.fixed:
+            actions[name].help = f"{actions[name].help or ''} Fixed by the recipe for every arm."
+        if "output_dir" in actions:
+            actions["output_dir"].help = (
+                "The parity report, its plots and the saved model of the accumulated arm go here; each arm trains "
+                "in <output_dir>/arms/<arm>/."
+            )
         # Listed for `--help` only: `parse_recipe_args` takes `--config` out of the command line before parsing.
         self.add_argument(
             "--config",
@@ -65,6 +89,7 @@ class RecipeArgumentParser(HfArgumentParser):
             "flags override them). The defaults shown by --help are the ones that run: this file's values on top "
             "of the dataclasses' own.",
         )
+        self._group_stock_options(dataclass_types)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         # argparse prints usage and calls `sys.exit(2)`; we raise so the caller can prefix the file and key.
@@ -96,7 +121,7 @@ class RecipeArgumentParser(HfArgumentParser):
             # The YAML's values become the parser's defaults, so `--help` shows what actually runs (TRL's
             # `TrlParser` does the same). Parsing still puts the YAML tokens first, so flags win.
             self.set_defaults(**self._typed_values(config_tokens))
-            self.set_defaults(config=_display_path(Path(config_path)))
+            self.set_defaults(config=_display_path(Path(config_path)), **self.fixed)
         source = f"{config_path} + command line" if config_path is not None else "command line"
         try:
             *parsed, remaining = self.parse_args_into_dataclasses(
@@ -157,6 +182,29 @@ class RecipeArgumentParser(HfArgumentParser):
         return tokens
 
     # ------------------------------------------------------------------ helpers
+    def _group_stock_options(self, dataclass_types: list[type]) -> None:
+        """`--help` lists the recipe's own options first; the stock `TrainingArguments` options that the recipe only
+        passes through to `transformers.Trainer` follow under their own heading."""
+        from transformers import TrainingArguments
+
+        stock_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+        own = {f.name for t in dataclass_types if dataclasses.is_dataclass(t) for f in dataclasses.fields(t)}
+        own = (own - stock_fields) | set(self.run_defaults) | set(self.fixed)
+        if self.default_config is not None and self.default_config.is_file():
+            own |= set(yaml.safe_load(self.default_config.read_text()) or {})
+        main = next(g for g in self._action_groups if g.title in ("options", "optional arguments"))
+        stock = self.add_argument_group(
+            "stock TrainingArguments options",
+            "Passed unchanged to transformers.TrainingArguments (see its documentation); the recipe sets none of them.",
+        )
+        keep = []
+        for action in main._group_actions:
+            is_stock = action.dest in stock_fields and action.dest not in own
+            (stock._group_actions if is_stock else keep).append(action)
+        # `--config` first: it decides every other default.
+        keep.sort(key=lambda action: action.dest != "config")
+        main._group_actions[:] = keep
+
     def _typed_values(self, tokens: list[str]) -> dict[str, Any]:
         """The options set by `tokens`, converted by their actions exactly as on the command line."""
         namespace, _ = self.parse_known_args(tokens)
@@ -266,3 +314,35 @@ def _scalar_token(key: str, value: Any, path: Path) -> str:
 def dataclass_field_names(*dataclass_types: type) -> set[str]:
     """All field names of the given dataclasses (the valid YAML keys of a recipe)."""
     return {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
+
+
+def check_sources_and_rate(*, model: str | None, dataset: str | None, learning_rate: float) -> None:
+    """
+    What the configuration names outside itself, checked in milliseconds before any arm starts: the model and the
+    dataset (a path that exists, a cached Hub id, or a Hub id while the Hub is reachable) and a learning rate that
+    can train. Raises a one-line [`ConfigError`] naming the option.
+
+    Example:
+
+    ```python
+    >>> from harness.config import ConfigError, check_sources_and_rate
+    >>> try:
+    ...     check_sources_and_rate(model=None, dataset=None, learning_rate=0.0)
+    ... except ConfigError as error:
+    ...     print(error)
+    --learning_rate must be > 0 (a rate of 0 leaves the model unchanged: nothing to compare), got 0.0.
+    ```
+    """
+    from hf_gradaccum.input_checks import InputError, check_dataset_source, check_model_source
+
+    if not learning_rate > 0:  # also NaN
+        raise ConfigError(
+            f"--learning_rate must be > 0 (a rate of 0 leaves the model unchanged: nothing to compare), got {learning_rate}."
+        )
+    try:
+        if model is not None:
+            check_model_source(model, "--model_name_or_path")
+        if dataset is not None:
+            check_dataset_source(dataset, "--dataset_name")
+    except InputError as error:
+        raise ConfigError(str(error)) from None

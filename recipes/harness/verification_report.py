@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 def with_verification(argv: Sequence[str], training_args: Any) -> list[str]:
     """`argv` plus `--verify_accumulation first_step` unless the check was configured (`--verify_accumulation off`
-    on the command line skips it). Not under an FSDP launch (`ACCELERATE_USE_FSDP`): the check needs a second,
-    unsharded copy of the parameters, so `GradAccumTrainer` refuses it under FSDP2; the report then says no check ran.
+    on the command line skips it). Under an FSDP launch (`ACCELERATE_USE_FSDP`) it appends `--verify_accumulation off`
+    instead: the check needs a second, unsharded copy of the parameters, so `GradAccumTrainer` refuses it under FSDP2
+    (and the recipes' own default is `first_step`); the report then says no check ran.
 
     Example:
 
@@ -35,13 +36,15 @@ def with_verification(argv: Sequence[str], training_args: Any) -> list[str]:
     ```
     """
     argv = list(argv)
-    if "--verify_accumulation" in argv or getattr(training_args, "verify_accumulation", "off") != "off":
+    if "--verify_accumulation" in argv:
         return argv
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
         logger.warning(
             "FSDP launch: the arms' split-invariance check (`verify_accumulation`) is skipped, since it cannot run on "
             "sharded parameters. Check the model once on one process with `hf-gradaccum verify`."
         )
+        return [*argv, "--verify_accumulation", "off"]
+    if getattr(training_args, "verify_accumulation", "off") != "off":
         return argv
     return [*argv, "--verify_accumulation", "first_step"]
 
