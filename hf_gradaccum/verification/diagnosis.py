@@ -199,7 +199,8 @@ def not_a_mean_cause() -> Cause:
         "the loss of a micro-batch is not the count-weighted mean of the losses of its halves for any count "
         "(`count_items`, labels, shifted labels, rows): it couples the items of a micro-batch (e.g. a batch-level "
         "contrastive or ranking loss, or normalisation over the batch).",
-        "use a loss that is a mean over independent items, or accept that accumulation approximates the large batch.",
+        "use a loss that is a mean over independent items, or accept that accumulation approximates the large batch. "
+        "In-batch negatives (contrastive, ranking): use the coupled-loss mode (`hf_gradaccum.CoupledLoss`), exact.",
     )
 
 
