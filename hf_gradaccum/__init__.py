@@ -57,6 +57,11 @@ _EXPORTS: dict[str, str] = {
     "AccumulationPlan": ".helpers.planning",
     "CannotShrinkMicroBatchError": ".helpers.planning",
     "plan_accumulation": ".helpers.planning",
+    # losses that couple the batch (in-batch negatives): gradient caching, docs/coupled_losses.md
+    "CoupledLoss": ".engine.coupled",
+    "CoupledLossTrainer": ".adapters.coupled",
+    "clip_coupled_loss": ".adapters.coupled",
+    "ranking_coupled_loss": ".adapters.coupled",
 }
 
 __all__ = [
@@ -64,6 +69,8 @@ __all__ = [
     "AccumulatorCheckpoint",
     "BatchNormConversion",
     "CannotShrinkMicroBatchError",
+    "CoupledLoss",
+    "CoupledLossTrainer",
     "DynamicLossScaler",
     "FrozenBatchNorm",
     "GradAccumArguments",
@@ -81,6 +88,7 @@ __all__ = [
     "WindowRouterBalance",
     "accumulation_bn_momentum",
     "apply_accumulation_bn_momentum",
+    "clip_coupled_loss",
     "convert_batchnorm_to_groupnorm",
     "count_items",
     "count_items_in_batch",
@@ -90,6 +98,7 @@ __all__ = [
     "lr_scaling_factor",
     "make_gradaccum_trainer",
     "plan_accumulation",
+    "ranking_coupled_loss",
     "recommended_warmup_steps",
     "scale_learning_rate",
     "verify_split_invariance",

@@ -71,7 +71,9 @@ def clip_coupled_loss(model: nn.Module | None = None, **kwargs: Any) -> CoupledL
     ```
     """
     if model is not None and not isinstance(getattr(_unwrap(model), "logit_scale", None), torch.Tensor):
-        raise ValueError(f"`model` ({type(_unwrap(model)).__name__}) has no `logit_scale`: is it a transformers `CLIPModel`?")
+        raise ValueError(
+            f"`model` ({type(_unwrap(model)).__name__}) has no `logit_scale`: is it a transformers `CLIPModel`?"
+        )
 
     def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         out = model(**{k: batch[k] for k in CLIP_INPUTS if k in batch}, return_loss=False)
@@ -230,3 +232,86 @@ class CoupledLossTrainer(GradAccumTrainer):
         else:
             loss = self.coupled_loss.window_loss(model, [inputs])
         return (loss, {"loss": loss}) if return_outputs else loss
+
+
+# ---------------------------------------------------------------------------------------------------- exactness check
+def coupled_gradient(
+    model: nn.Module, coupled: CoupledLoss, micro_batches: list[Any], params: list[nn.Parameter]
+) -> list[torch.Tensor]:
+    """The coupled mode's window gradient for this split of the window, in fp32, without touching `.grad`: pass 1,
+    the window loss, and each micro-batch's pass-2 surrogate weighted `n_k / N` as the accumulator weights it."""
+    window = coupled.prepare_window(model, micro_batches, params)
+    grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    for index, batch in enumerate(micro_batches):
+        surrogate = coupled.micro_batch_loss(window, model, index, batch)
+        parts = torch.autograd.grad(surrogate, params, allow_unused=True)
+        weight = window.num_items[index] / window.total_items
+        for acc, g in zip(grads, parts, strict=True):
+            if g is not None:
+                acc.add_(g.float(), alpha=weight)
+    coupled.finish_passes(window)
+    return grads
+
+
+def verify_coupled_split_invariance(
+    model: nn.Module,
+    batches: list[dict[str, Any]],
+    coupled: CoupledLoss,
+    *,
+    splits: tuple[str, ...] = ("half", "full"),
+    rtol: float | None = None,
+):
+    """
+    The split-invariance check of [`~hf_gradaccum.verify_split_invariance`] for the coupled-loss mode: the window's
+    gradient in the coupled mode for the micro-batches as given, for each micro-batch halved (`"half"`) and for one
+    batch (`"full"`), under the same isolation (dropout neutralised, RNG and buffers restored). Returns a
+    `SplitInvarianceResult` (`passed` means: the coupled mode is exact for this model and loss).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.coupled import verify_coupled_split_invariance  # doctest: +SKIP
+    >>> verify_coupled_split_invariance(model, window, clip_coupled_loss()).passed  # doctest: +SKIP
+    True
+    ```
+    """
+    import time
+
+    from ..verification.isolation import isolated_probe
+    from ..verification.split_invariance import SplitInvarianceResult, tolerance_for
+    from ..verification.windows import concat_window, cut
+
+    bad = sorted(set(splits) - {"half", "full"})
+    if bad or not splits:
+        raise ValueError(f"`splits` must be a non-empty subset of ('half', 'full'), got {splits!r}.")
+    start = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows, sizes = concat_window(batches)
+    plan = {"window": sizes}
+    if "half" in splits:
+        plan["half"] = [part for n in sizes for part in ((n - n // 2, n // 2) if n >= 2 else (n,))]
+    if "full" in splits:
+        plan["full"] = [sum(sizes)]
+    lowest = min({p.dtype for p in params}, key=lambda d: -torch.finfo(d).eps)
+    tolerance = float(rtol) if rtol is not None else tolerance_for(lowest)
+    rel_diffs = {}
+    with isolated_probe(model):
+        reference = coupled_gradient(model, coupled, cut(rows, sizes), params)
+        ref_norm = sum(float(g.pow(2).sum()) for g in reference) ** 0.5
+        for name, split in plan.items():
+            if name == "window":
+                continue
+            grads = coupled_gradient(model, coupled, cut(rows, split), params)
+            diff = sum(float((g - r).pow(2).sum()) for g, r in zip(grads, reference, strict=True)) ** 0.5
+            rel_diffs[name] = diff / ref_norm
+    max_rel = max(rel_diffs.values())
+    return SplitInvarianceResult(
+        passed=max_rel <= tolerance,
+        max_rel_diff=max_rel,
+        rel_diffs=rel_diffs,
+        tolerance=tolerance,
+        tolerance_rule="given" if rtol is not None else f"{str(lowest).replace('torch.', '')} computation",
+        splits=plan,
+        seconds=time.perf_counter() - start,
+        notes=["coupled-loss mode (gradient caching): the loss spans the whole window"],
+    )

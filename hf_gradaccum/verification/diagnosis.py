@@ -65,7 +65,8 @@ FIXES: dict[str, str] = {
     "row_mean_loss": ROW_WEIGHTING_FIX,
     "stateful_layers": "put those layers in eval mode during training, or update their state once per optimizer step.",
     "loss_not_an_item_mean": (
-        "use a loss that is a mean over independent items, or accept that accumulation approximates the large batch."
+        "use a loss that is a mean over independent items, or accept that accumulation approximates the large batch. "
+        "In-batch negatives (contrastive, ranking): use the coupled-loss mode (`hf_gradaccum.CoupledLoss`), exact."
     ),
     "nondeterministic_forward": (
         "make the forward deterministic for the check (switch off the random layer or seed it from the inputs), "
