@@ -260,7 +260,13 @@ class MoEWindowBalanceMixin:
         if self._router_balance is not None and batches:
             balance = self._router_balance
             balance.model = self.model_wrapped if getattr(self, "model_wrapped", None) is not None else self.model
-            balance.prepare_window(batches, [self._micro_batch_items(b) for b in batches])
+            # `training_step` puts the model in train mode: count the routing as those forwards will route (jitter).
+            was_training = balance.model.training
+            balance.model.train()
+            try:
+                balance.prepare_window(batches, [self._micro_batch_items(b) for b in batches])
+            finally:
+                balance.model.train(was_training)
         return batches, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: D102
