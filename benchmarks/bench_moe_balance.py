@@ -2,14 +2,14 @@
 per-micro-batch term (`"micro_batch"`), in a plain `GradientAccumulator` loop on CPU.
 
 What it measures: a random-init Mixtral (`--hidden` 64, 4 layers, 8 experts, top-2, vocab 1000, router aux coef
-0.02, no jitter), synthetic token ids of random lengths in [seq_len/2, seq_len] right-padded per micro-batch, micro-batch
-`--micro_batch` x `--steps_per_window` accumulation steps, SGD, `torch.set_num_threads(2)`. Each run does `--windows`
-optimizer steps; the first is warmup, the rest are timed (forward-only pass included for "window"). Each
+0.02, no jitter), synthetic token ids of random lengths in [seq_len/2, seq_len] right-padded per micro-batch,
+micro-batch `--micro_batch` x `--steps_per_window` accumulation steps, SGD, `--threads` torch threads (default 2).
+Each run does `--windows` optimizer steps; the first is warmup, the rest are timed (forward-only pass included for "window"). Each
 configuration runs in its own subprocess (this script re-invoked with `--worker MODE`), interleaved in an ABBA order
 over `--repeats` rounds (cancels a linear drift of a shared machine); the table gives the median time per optimizer
 step of each mode and the ratio of medians. The "window" workers also time the forward-only pass and the rest of
 the same step back to back: `1 + pass / rest` is the overhead measured within one process, which a shared machine's
-changing load disturbs far less than the ratio across processes. Process CPU time per step (`time.process_time`, both
+changing load disturbs far less than the ratio across processes. Process CPU time per step (`time.process_time`, all
 threads) is reported next to wall time: it counts the work done, not the time spent waiting for a shared core.
 
 Results: a Markdown table on stdout and `benchmarks/results/moe_balance.{json,md}`.
@@ -17,6 +17,7 @@ Results: a Markdown table on stdout and `benchmarks/results/moe_balance.{json,md
 Command (from the repository root, with the project's virtualenv):
 
     python benchmarks/bench_moe_balance.py --repeats 3 --windows 4
+    python benchmarks/bench_moe_balance.py --repeats 2 --windows 3 --threads 1   # a loaded shared machine
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ NUM_THREADS = 2
 def run_worker(mode: str, args: argparse.Namespace) -> dict:
     import torch
 
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(args.threads)
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from hf_gradaccum import GradientAccumulator, count_items_in_batch
@@ -110,7 +111,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict:
 
 def run_config(mode: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode]
-    for key in ("hidden", "seq_len", "micro_batch", "steps_per_window", "windows", "seed"):
+    for key in ("hidden", "seq_len", "micro_batch", "steps_per_window", "windows", "seed", "threads"):
         cmd += [f"--{key}", str(getattr(args, key))]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -130,8 +131,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads per worker")
     args = parser.parse_args()
-    for name in ("hidden", "seq_len", "micro_batch", "steps_per_window", "repeats"):
+    for name in ("hidden", "seq_len", "micro_batch", "steps_per_window", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if args.windows < 2:
@@ -155,7 +157,7 @@ def main() -> None:
     setup = (
         f"Mixtral hidden {args.hidden}, 4 layers, 8 experts top-2, seq_len {args.seq_len}, micro-batch "
         f"{args.micro_batch} x {args.steps_per_window} steps, {args.windows - 1} timed steps x {args.repeats} "
-        f"processes per mode, {NUM_THREADS} threads, {platform.processor() or platform.machine()}"
+        f"processes per mode, {args.threads} thread(s), {platform.processor() or platform.machine()}"
     )
     table = "\n".join(
         [
