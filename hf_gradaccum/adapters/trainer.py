@@ -547,7 +547,7 @@ def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) 
 
     ```python
     >>> from transformers import Seq2SeqTrainer
-    >>> from hf_gradaccum import make_gradaccum_trainer
+    >>> from hf_gradaccum.adapters.trainer import make_gradaccum_trainer
     >>> make_gradaccum_trainer(Seq2SeqTrainer).__name__
     'GradAccumSeq2SeqTrainer'
     ```
