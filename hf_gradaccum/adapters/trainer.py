@@ -44,44 +44,11 @@ from .batch_policies import apply_batch_policies
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
+from .training_checks import refuse_batch_level_losses
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
 logger = logging.getLogger(__name__)
-
-
-# Loss terms of known trainers that are a statistic of the whole micro-batch, not a mean over independent items, so no
-# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}.
-BATCH_LEVEL_LOSS_TYPES = {
-    "DPOTrainer": {
-        "sft": "a token mean over the micro-batch's chosen completions",
-        "aot": "sorts the log-ratios across the micro-batch",
-        "aot_unpaired": "sorts the log-ratios across the micro-batch",
-    }
-}
-
-
-def refuse_batch_level_losses(trainer: Trainer) -> None:
-    """
-    Raise a `ValueError` when `trainer` (a composed trainer) is configured with a loss term that depends on the whole
-    micro-batch (see `BATCH_LEVEL_LOSS_TYPES`): accumulating it over micro-batches cannot equal the large batch.
-    """
-    if trainer.args.gradient_accumulation_steps == 1:
-        return
-    for cls in type(trainer).__mro__:
-        refused = BATCH_LEVEL_LOSS_TYPES.get(cls.__name__)
-        if not refused:
-            continue
-        loss_types = getattr(trainer.args, "loss_type", None)
-        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types or [])
-        bad = [t for t in loss_types if t in refused]
-        if bad:
-            why = "; ".join(f"'{t}' {refused[t]}" for t in bad)
-            raise ValueError(
-                f"`loss_type={loss_types}` cannot be accumulated exactly with {cls.__name__}: {why}, so no weighting of "
-                "micro-batches equals the large-batch loss. Use per-pair loss types (e.g. 'sigmoid'), or "
-                "`gradient_accumulation_steps=1` with the batch you want."
-            )
 
 
 class GradAccumTrainer(Trainer):
@@ -119,7 +86,11 @@ class GradAccumTrainer(Trainer):
         # left in `self.args`, i.e. in the saved `training_args.bin`.
         self.model_accepts_loss_kwargs = False
         loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
-        if loss_scaling or self.accelerator.scaler is not None or gradaccum_option(self.args, "take_back_skipped_steps"):
+        if (
+            loss_scaling
+            or self.accelerator.scaler is not None
+            or gradaccum_option(self.args, "take_back_skipped_steps")
+        ):
             # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
             # GradScaler keeps Accelerate's autocast and makes its unscale calls no-ops; its `step` reports a skipped
             # window's optimizer step as skipped, as a stock GradScaler does after an overflow.
