@@ -248,8 +248,12 @@ class GradAccumTrainer(Trainer):
         """
         accumulator = self._get_accumulator(model)
         if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
-            # Called outside the Trainer's loop (or by a subclass with its own batches): a window of its own.
-            self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
+            if accumulator.micro_steps_in_window:
+                # A parent passed its own copy of the micro-batch: keep it for an out-of-memory redo of the window.
+                self._window_batches = [*self._window_batches[: self._micro_index], inputs]
+            else:
+                # Called outside the Trainer's loop: a window of its own.
+                self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
         micro_index = self._micro_index
         self._micro_index += 1
 
