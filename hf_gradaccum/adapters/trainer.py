@@ -102,6 +102,7 @@ class GradAccumTrainer(Trainer):
         self._window_batches: list[dict[str, Any]] = []
         self._micro_index = 0
         self._resume_state_path: str | None = None
+        self._training = False  # inside `train()`
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
         self.oom_retry = WindowOOMRetry(shrink=self._shrink_chunk)
         self.add_callback(_LoopRestartCallback(self))
@@ -265,7 +266,9 @@ class GradAccumTrainer(Trainer):
         else:
             loss, num_items = micro_step(inputs)
 
-        if self.accelerator.sync_gradients:
+        # Outside `train()` each call is a window of its own: Accelerate's `sync_gradients` is process-wide state that
+        # an interrupted `train()` can leave False.
+        if self.accelerator.sync_gradients or not self._training:
             self.on_window_end(accumulator.finish_window())
 
         if self._window_items_local:
@@ -431,7 +434,11 @@ class GradAccumTrainer(Trainer):
         self._resume_state_path = state_file if state_file and os.path.isfile(state_file) else None
         if self._resume_state_path and self.accumulator is not None:
             self._load_accumulator_state(self.accumulator, self._resume_state_path)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self._training = True
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._training = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
