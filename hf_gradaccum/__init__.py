@@ -3,111 +3,130 @@
 The package has four parts; each may import only the ones listed before it (`tests/test_layout.py` checks this):
 
 - `engine/`: the accumulation itself (buffers, item weighting, windows, fp16 loss scaling, distributed reduction,
-  item counting, out-of-memory recovery). torch and accelerate only; no transformers.
+  item counting, the out-of-memory window retry). torch and accelerate only; no transformers.
 - `helpers/`: batch-size helpers (BatchNorm treatments, learning-rate scaling, micro-batch planning).
 - `adapters/`: `GradAccumTrainer` and `GradAccumArguments`, thin transformers adapters over the engine.
+- `verification`: the split-invariance exactness check.
 - `assets.py` (offline model/data files the CLI defaults to) and `cli.py` (`hf-gradaccum verify`) sit beside them.
 
 The recipes' parity experiment harness lives outside the package, in `recipes/harness/`.
 
-Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used, and never imports
-matplotlib.
+Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used. One way to do each
+thing: `GradAccumTrainer` (compose with another trainer by subclassing, `class T(GradAccumTrainer, SFTTrainer)`),
+`GradAccumArguments` (or the `GradAccumFields` mixin on another arguments class, e.g. TRL's `SFTConfig`), and
+`GradientAccumulator` for plain loops. Names removed from the top level still work for one release, with a
+`FutureWarning` that says where they live now (`_DEPRECATED`).
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
+    # plain loops (engine)
     "GradientAccumulator": ".engine.accumulator",
-    "AccumulatorCheckpoint": ".engine.sharded_checkpoint",
     "WindowResult": ".engine.window",
     "DynamicLossScaler": ".engine.loss_scaling",
-    "count_items": ".engine.items",
+    "AccumulatorCheckpoint": ".engine.sharded_checkpoint",
     "count_items_in_batch": ".engine.items",
+    "WindowOOMRetry": ".engine.oom_retry",
+    # transformers
+    "GradAccumTrainer": ".adapters.trainer",
     "GradAccumArguments": ".adapters.arguments",
     "GradAccumFields": ".adapters.arguments",
-    "GradAccumSeq2SeqArguments": ".adapters.arguments",
-    "with_gradaccum_fields": ".adapters.arguments",
-    "GradAccumTrainer": ".adapters.trainer",
-    "make_gradaccum_trainer": ".adapters.trainer",
-    "GradAccumSFTConfig": ".adapters.trl_support",
-    "GradAccumMoETrainer": ".adapters.moe",
-    "MoEWindowBalanceMixin": ".adapters.moe",
-    "WindowRouterBalance": ".adapters.moe",
-    "GradAccumDPOConfig": ".adapters.trl_support",
-    "GradAccumRewardConfig": ".adapters.trl_support",
-    "effective_batch_size": ".helpers.lr_scaling",
-    "lr_scaling_factor": ".helpers.lr_scaling",
-    "SplitInvarianceResult": ".verification",
-    "verify_split_invariance": ".verification",
-    "recommended_warmup_steps": ".helpers.lr_scaling",
-    "scale_learning_rate": ".helpers.lr_scaling",
-    "BatchNormConversion": ".helpers.normalization",
-    "FrozenBatchNorm": ".helpers.normalization",
-    "accumulation_bn_momentum": ".helpers.normalization",
-    "apply_accumulation_bn_momentum": ".helpers.normalization",
-    "convert_batchnorm_to_groupnorm": ".helpers.normalization",
-    "freeze_batchnorm": ".helpers.normalization",
-    "groupnorm_num_groups": ".helpers.normalization",
-    "AccumulationPlan": ".helpers.planning",
-    "CannotShrinkMicroBatchError": ".helpers.planning",
-    "plan_accumulation": ".helpers.planning",
     # losses that couple the batch (in-batch negatives): gradient caching, docs/coupled_losses.md
     "CoupledLoss": ".engine.coupled",
     "CoupledLossTrainer": ".adapters.coupled",
     "clip_coupled_loss": ".adapters.coupled",
     "ranking_coupled_loss": ".adapters.coupled",
+    # exact window-level MoE load balancing, docs/moe_balance.md
+    "GradAccumMoETrainer": ".adapters.moe",
+    "MoEWindowBalanceMixin": ".adapters.moe",
+    "WindowRouterBalance": ".adapters.moe",
+    # exactness check
+    "verify_split_invariance": ".verification",
+    "SplitInvarianceResult": ".verification",
+    "AccumulationNotExactError": ".adapters.accumulation_check",
+    # batch-size helpers
+    "plan_accumulation": ".helpers.planning",
+    "AccumulationPlan": ".helpers.planning",
+    "CannotShrinkMicroBatchError": ".helpers.planning",
+    "scale_learning_rate": ".helpers.lr_scaling",
+    "apply_accumulation_bn_momentum": ".helpers.normalization",
+    "convert_batchnorm_to_groupnorm": ".helpers.normalization",
+    "freeze_batchnorm": ".helpers.normalization",
+}
+
+# removed from the top level (still importable from their modules): name -> (module, what to use instead)
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    "count_items": (".engine.items", "`hf_gradaccum.engine.items.count_items`"),
+    "make_gradaccum_trainer": (".adapters.trainer", "`class MyTrainer(GradAccumTrainer, OtherTrainer)`"),
+    "with_gradaccum_fields": (".adapters.arguments", "`@dataclass class MyArgs(GradAccumFields, OtherArguments)`"),
+    "GradAccumSeq2SeqArguments": (
+        ".adapters.arguments",
+        "`@dataclass class MyArgs(GradAccumFields, Seq2SeqTrainingArguments)`",
+    ),
+    "GradAccumSFTConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, SFTConfig)`"),
+    "GradAccumDPOConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, DPOConfig)`"),
+    "GradAccumRewardConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, RewardConfig)`"),
+    "effective_batch_size": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.effective_batch_size`"),
+    "lr_scaling_factor": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.lr_scaling_factor`"),
+    "recommended_warmup_steps": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.recommended_warmup_steps`"),
+    "BatchNormConversion": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.BatchNormConversion`"),
+    "FrozenBatchNorm": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.FrozenBatchNorm`"),
+    "accumulation_bn_momentum": (
+        ".helpers.normalization",
+        "`hf_gradaccum.helpers.normalization.accumulation_bn_momentum`",
+    ),
+    "groupnorm_num_groups": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.groupnorm_num_groups`"),
 }
 
 __all__ = [
+    "AccumulationNotExactError",
     "AccumulationPlan",
     "AccumulatorCheckpoint",
-    "BatchNormConversion",
     "CannotShrinkMicroBatchError",
     "CoupledLoss",
     "CoupledLossTrainer",
     "DynamicLossScaler",
-    "FrozenBatchNorm",
     "GradAccumArguments",
-    "GradAccumDPOConfig",
     "GradAccumFields",
     "GradAccumMoETrainer",
-    "GradAccumRewardConfig",
-    "GradAccumSFTConfig",
-    "GradAccumSeq2SeqArguments",
     "GradAccumTrainer",
     "GradientAccumulator",
     "MoEWindowBalanceMixin",
     "SplitInvarianceResult",
+    "WindowOOMRetry",
     "WindowResult",
     "WindowRouterBalance",
-    "accumulation_bn_momentum",
     "apply_accumulation_bn_momentum",
     "clip_coupled_loss",
     "convert_batchnorm_to_groupnorm",
-    "count_items",
     "count_items_in_batch",
-    "effective_batch_size",
     "freeze_batchnorm",
-    "groupnorm_num_groups",
-    "lr_scaling_factor",
-    "make_gradaccum_trainer",
     "plan_accumulation",
     "ranking_coupled_loss",
-    "recommended_warmup_steps",
     "scale_learning_rate",
     "verify_split_invariance",
-    "with_gradaccum_fields",
 ]
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _DEPRECATED:
+        module, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"`hf_gradaccum.{name}` is deprecated and will be removed from the top level in the next release; "
+            f"use {instead}.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module, __name__), name)  # not cached: warn at every use
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
@@ -120,34 +139,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
-    from .adapters.arguments import (
-        GradAccumArguments,
-        GradAccumFields,
-        GradAccumSeq2SeqArguments,
-        with_gradaccum_fields,
-    )
+    from .adapters.accumulation_check import AccumulationNotExactError
+    from .adapters.arguments import GradAccumArguments, GradAccumFields
+    from .adapters.coupled import CoupledLossTrainer, clip_coupled_loss, ranking_coupled_loss
     from .adapters.moe import GradAccumMoETrainer, MoEWindowBalanceMixin, WindowRouterBalance
-    from .adapters.trainer import GradAccumTrainer, make_gradaccum_trainer
-    from .adapters.trl_support import GradAccumDPOConfig, GradAccumRewardConfig, GradAccumSFTConfig
+    from .adapters.trainer import GradAccumTrainer
     from .engine.accumulator import GradientAccumulator
-    from .engine.items import count_items, count_items_in_batch
+    from .engine.coupled import CoupledLoss
+    from .engine.items import count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler
+    from .engine.oom_retry import WindowOOMRetry
     from .engine.sharded_checkpoint import AccumulatorCheckpoint
     from .engine.window import WindowResult
-    from .helpers.lr_scaling import (
-        effective_batch_size,
-        lr_scaling_factor,
-        recommended_warmup_steps,
-        scale_learning_rate,
-    )
+    from .helpers.lr_scaling import scale_learning_rate
     from .helpers.normalization import (
-        BatchNormConversion,
-        FrozenBatchNorm,
-        accumulation_bn_momentum,
         apply_accumulation_bn_momentum,
         convert_batchnorm_to_groupnorm,
         freeze_batchnorm,
-        groupnorm_num_groups,
     )
     from .helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
     from .verification import SplitInvarianceResult, verify_split_invariance

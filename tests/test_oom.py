@@ -144,3 +144,52 @@ def test_real_cpu_allocation_failure_under_address_space_limit(tmp_path):
     err = float((d - d_ref).norm() / d_ref.norm())
     print(f"real CPU OOM: micro-batch 32 -> {micro} ({micro} x {steps}); relative update error vs batch 64: {err:.2e}")
     assert err <= RTOL
+
+
+def test_engine_window_retry_in_a_plain_loop_keeps_the_large_batch_update():
+    """`WindowOOMRetry` without a Trainer: a layer that really fails to allocate (the CPU allocator refuses
+    `rows * 2**41` bytes) above 2 rows; the window of 2 micro-batches of 4 is redone in chunks of 2 and its update
+    equals one step on the batch of 8."""
+    from hf_gradaccum import GradientAccumulator, WindowOOMRetry
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    reference = copy.deepcopy(model)
+
+    def hungry(module, inputs, output):
+        if output.shape[0] > 2:
+            torch.empty(output.shape[0] << 41, dtype=torch.uint8)
+
+    model[1].register_forward_hook(hungry)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    window = [{"x": x[:4], "y": y[:4]}, {"x": x[4:], "y": y[4:]}]
+    acc = GradientAccumulator(model, gradient_accumulation_steps=2)
+    retry = WindowOOMRetry()
+
+    def micro_step(batch):
+        for chunk in retry.chunks(batch):
+            loss = torch.nn.functional.mse_loss(model(chunk["x"]), chunk["y"])
+            acc.backward(loss, num_items=len(chunk["x"]))
+
+    for i in range(len(window)):
+        with acc.accumulate(model):
+            retry.run(acc, window, i, micro_step)
+    assert acc.finish_window().applied and retry.chunk_size == 2
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=1e-7)
+
+
+def test_engine_window_retry_gives_up_at_one_sample():
+    from hf_gradaccum import GradientAccumulator, WindowOOMRetry
+    from hf_gradaccum.engine.oom_retry import MicroBatchTooSmallError
+
+    model = torch.nn.Linear(3, 1)
+    acc = GradientAccumulator(model, gradient_accumulation_steps=1)
+
+    def always_oom(batch):
+        torch.empty(1 << 44, dtype=torch.uint8)
+
+    with pytest.raises(MicroBatchTooSmallError, match="below 1 sample"):
+        with acc.accumulate(model):
+            WindowOOMRetry().run(acc, [{"x": torch.zeros(4, 3)}], 0, always_oom)

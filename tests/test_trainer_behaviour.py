@@ -142,3 +142,19 @@ def test_plain_training_arguments_with_bad_steps_are_refused(tmp_path):
             args=args,
             train_dataset=datasets.Dataset.from_dict({"labels": [0]}),
         )
+
+
+def test_opt_in_batch_policies_apply_once_at_construction(tmp_path):
+    """`lr_scaling_rule` and `batchnorm_momentum_correction` are opt-in policies applied when the trainer is built
+    (before the optimizer and scheduler exist), not overrides of `train()`; off, the arguments are untouched."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3, momentum=0.1))
+    plain = GradAccumTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "plain"))
+    assert plain.args.learning_rate == 1e-3 and plain.model[1].momentum == 0.1
+    args = _args(
+        tmp_path / "policies", lr_scaling_rule="linear", reference_batch_size=4, batchnorm_momentum_correction=True
+    )
+    trainer = GradAccumTrainer(model=model, args=args)
+    assert trainer.args.learning_rate == pytest.approx(2e-3)  # effective batch 2 x 4 = 8, tuned at 4
+    trainer.create_optimizer()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
+    assert trainer.model[1].momentum == pytest.approx(1 - 0.9 ** (1 / 4))

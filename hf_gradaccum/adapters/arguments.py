@@ -275,7 +275,7 @@ def with_gradaccum_fields(args_cls: type, name: str | None = None) -> type:
 
     ```python
     >>> from transformers import Seq2SeqTrainingArguments
-    >>> from hf_gradaccum import with_gradaccum_fields
+    >>> from hf_gradaccum.adapters.arguments import with_gradaccum_fields
     >>> Args = with_gradaccum_fields(Seq2SeqTrainingArguments)
     >>> Args.__name__
     'GradAccumSeq2SeqTrainingArguments'
@@ -312,7 +312,7 @@ class GradAccumSeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
     Example:
 
     ```python
-    >>> from hf_gradaccum import GradAccumSeq2SeqArguments
+    >>> from hf_gradaccum.adapters.arguments import GradAccumSeq2SeqArguments
     >>> GradAccumSeq2SeqArguments("out", predict_with_generate=True, use_cpu=True).predict_with_generate
     True
     ```

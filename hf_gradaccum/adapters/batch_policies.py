@@ -51,7 +51,7 @@ def scale_trainer_learning_rate(trainer: Any) -> None:
         args.learning_rate,
         effective,
     )
-    if rule == "linear" and effective > reference and not (args.warmup_steps or args.warmup_ratio):
+    if rule == "linear" and effective > reference and not (args.warmup_steps or getattr(args, "warmup_ratio", 0)):
         dataset = trainer.train_dataset
         steps_per_epoch = (
             max(1, len(dataset) // effective) if dataset is not None and hasattr(dataset, "__len__") else 1

@@ -44,44 +44,11 @@ from .batch_policies import apply_batch_policies
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
+from .training_checks import refuse_batch_level_losses
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
 logger = logging.getLogger(__name__)
-
-
-# Loss terms of known trainers that are a statistic of the whole micro-batch, not a mean over independent items, so no
-# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}.
-BATCH_LEVEL_LOSS_TYPES = {
-    "DPOTrainer": {
-        "sft": "a token mean over the micro-batch's chosen completions",
-        "aot": "sorts the log-ratios across the micro-batch",
-        "aot_unpaired": "sorts the log-ratios across the micro-batch",
-    }
-}
-
-
-def refuse_batch_level_losses(trainer: Trainer) -> None:
-    """
-    Raise a `ValueError` when `trainer` (a composed trainer) is configured with a loss term that depends on the whole
-    micro-batch (see `BATCH_LEVEL_LOSS_TYPES`): accumulating it over micro-batches cannot equal the large batch.
-    """
-    if trainer.args.gradient_accumulation_steps == 1:
-        return
-    for cls in type(trainer).__mro__:
-        refused = BATCH_LEVEL_LOSS_TYPES.get(cls.__name__)
-        if not refused:
-            continue
-        loss_types = getattr(trainer.args, "loss_type", None)
-        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types or [])
-        bad = [t for t in loss_types if t in refused]
-        if bad:
-            why = "; ".join(f"'{t}' {refused[t]}" for t in bad)
-            raise ValueError(
-                f"`loss_type={loss_types}` cannot be accumulated exactly with {cls.__name__}: {why}, so no weighting of "
-                "micro-batches equals the large-batch loss. Use per-pair loss types (e.g. 'sigmoid'), or "
-                "`gradient_accumulation_steps=1` with the batch you want."
-            )
 
 
 class GradAccumTrainer(Trainer):
@@ -119,7 +86,11 @@ class GradAccumTrainer(Trainer):
         # left in `self.args`, i.e. in the saved `training_args.bin`.
         self.model_accepts_loss_kwargs = False
         loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
-        if loss_scaling or self.accelerator.scaler is not None or gradaccum_option(self.args, "take_back_skipped_steps"):
+        if (
+            loss_scaling
+            or self.accelerator.scaler is not None
+            or gradaccum_option(self.args, "take_back_skipped_steps")
+        ):
             # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
             # GradScaler keeps Accelerate's autocast and makes its unscale calls no-ops; its `step` reports a skipped
             # window's optimizer step as skipped, as a stock GradScaler does after an overflow.
@@ -131,6 +102,7 @@ class GradAccumTrainer(Trainer):
         self._window_batches: list[dict[str, Any]] = []
         self._micro_index = 0
         self._resume_state_path: str | None = None
+        self._training = False  # inside `train()`
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
         self.oom_retry = WindowOOMRetry(shrink=self._shrink_chunk)
         self.add_callback(_LoopRestartCallback(self))
@@ -277,8 +249,12 @@ class GradAccumTrainer(Trainer):
         """
         accumulator = self._get_accumulator(model)
         if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
-            # Called outside the Trainer's loop (or by a subclass with its own batches): a window of its own.
-            self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
+            if accumulator.micro_steps_in_window:
+                # A parent passed its own copy of the micro-batch: keep it for an out-of-memory redo of the window.
+                self._window_batches = [*self._window_batches[: self._micro_index], inputs]
+            else:
+                # Called outside the Trainer's loop: a window of its own.
+                self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
         micro_index = self._micro_index
         self._micro_index += 1
 
@@ -290,7 +266,9 @@ class GradAccumTrainer(Trainer):
         else:
             loss, num_items = micro_step(inputs)
 
-        if self.accelerator.sync_gradients:
+        # Outside `train()` each call is a window of its own: Accelerate's `sync_gradients` is process-wide state that
+        # an interrupted `train()` can leave False.
+        if self.accelerator.sync_gradients or not self._training:
             self.on_window_end(accumulator.finish_window())
 
         if self._window_items_local:
@@ -456,7 +434,11 @@ class GradAccumTrainer(Trainer):
         self._resume_state_path = state_file if state_file and os.path.isfile(state_file) else None
         if self._resume_state_path and self.accumulator is not None:
             self._load_accumulator_state(self.accumulator, self._resume_state_path)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self._training = True
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._training = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
@@ -547,7 +529,7 @@ def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) 
 
     ```python
     >>> from transformers import Seq2SeqTrainer
-    >>> from hf_gradaccum import make_gradaccum_trainer
+    >>> from hf_gradaccum.adapters.trainer import make_gradaccum_trainer
     >>> make_gradaccum_trainer(Seq2SeqTrainer).__name__
     'GradAccumSeq2SeqTrainer'
     ```

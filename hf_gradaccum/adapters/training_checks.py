@@ -82,3 +82,37 @@ def validate_training_numbers(args: Any) -> None:
             raise ValueError(
                 f"`num_train_epochs` must be a finite number > 0 (or set `max_steps` > 0), got {epochs!r}."
             )
+
+
+# Loss terms of known trainers that are a statistic of the whole micro-batch, not a mean over independent items, so no
+# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}.
+BATCH_LEVEL_LOSS_TYPES = {
+    "DPOTrainer": {
+        "sft": "a token mean over the micro-batch's chosen completions",
+        "aot": "sorts the log-ratios across the micro-batch",
+        "aot_unpaired": "sorts the log-ratios across the micro-batch",
+    }
+}
+
+
+def refuse_batch_level_losses(trainer: Any) -> None:
+    """
+    Raise a `ValueError` when `trainer` (a composed trainer) is configured with a loss term that depends on the whole
+    micro-batch (see `BATCH_LEVEL_LOSS_TYPES`): accumulating it over micro-batches cannot equal the large batch.
+    """
+    if trainer.args.gradient_accumulation_steps == 1:
+        return
+    for cls in type(trainer).__mro__:
+        refused = BATCH_LEVEL_LOSS_TYPES.get(cls.__name__)
+        if not refused:
+            continue
+        loss_types = getattr(trainer.args, "loss_type", None)
+        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types or [])
+        bad = [t for t in loss_types if t in refused]
+        if bad:
+            why = "; ".join(f"'{t}' {refused[t]}" for t in bad)
+            raise ValueError(
+                f"`loss_type={loss_types}` cannot be accumulated exactly with {cls.__name__}: {why}, so no weighting of "
+                "micro-batches equals the large-batch loss. Use per-pair loss types (e.g. 'sigmoid'), or "
+                "`gradient_accumulation_steps=1` with the batch you want."
+            )

@@ -27,7 +27,7 @@ class GradAccumSFTConfig(GradAccumFields, SFTConfig):
     Example:
 
     ```python
-    >>> from hf_gradaccum import GradAccumSFTConfig
+    >>> from hf_gradaccum.adapters.trl_support import GradAccumSFTConfig
     >>> args = GradAccumSFTConfig("out", gradient_accumulation_steps=4, use_cpu=True)
     >>> args.learning_rate, args.accumulation_dtype  # TRL's default learning rate is kept
     (2e-05, 'float32')
