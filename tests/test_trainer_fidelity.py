@@ -13,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.adapters.arguments import GradAccumFields
+from tests.ordering import SEQUENTIAL_ORDER
 from tests.parity_cases import CASES
 
 CASE = next(c for c in CASES if c.name == "bert_seq_cls")
@@ -26,7 +27,7 @@ def _run(trainer_cls, args_cls, output_dir, model, data):
         gradient_accumulation_steps=4,
         learning_rate=1e-3,
         num_train_epochs=2,
-        train_sampling_strategy="sequential",
+        **SEQUENTIAL_ORDER,
         report_to=[],
         save_strategy="steps",
         save_steps=2,

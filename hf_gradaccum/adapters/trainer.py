@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..engine.accumulator import GradientAccumulator, WindowResult
 from ..engine.checkpointing import publish_directory
@@ -43,6 +43,7 @@ from ..helpers.normalization import apply_accumulation_bn_momentum
 from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
+from .compat import rotate_checkpoints
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkipAwareLRScheduler, SkippedStepCallback
@@ -522,12 +523,7 @@ class GradAccumTrainer(Trainer):
                 os.rmdir(staging_root)  # only when empty: never leave a stray folder in output_dir
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
                 self.state.best_model_checkpoint = final + self.state.best_model_checkpoint[len(staged) :]
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            rotate_checkpoints(self, output_dir=run_dir, use_mtime=True)
         self.accelerator.wait_for_everyone()
 
     def _effective_batch_size(self) -> int:
