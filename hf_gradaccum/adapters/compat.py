@@ -86,3 +86,20 @@ def rotate_checkpoints(trainer: Any, output_dir: str, use_mtime: bool = True) ->
         best_model_checkpoint=trainer.state.best_model_checkpoint,
         use_mtime=use_mtime,
     )
+
+
+# The private Trainer/Accelerator names GradAccumTrainer's code reaches today, each with why; `tests/test_compat.py`
+# asserts every one exists in the installed release, so a release that renames one fails there, by name, rather than
+# deep in a training run. ("Trainer.x": a method or attribute of the class; "args.x": a `TrainingArguments` field;
+# "trainer.x": an attribute `Trainer.__init__` or its loop sets on the instance.)
+PRIVATE_TRAINER_NAMES = {
+    "Trainer._prepare_inputs": "moves each micro-batch to the device before the accumulator's forward",
+    "Trainer.compute_loss_context_manager": "the fp16 overflow recompute re-enters the Trainer's loss context",
+    "Trainer._get_output_dir": "checkpoint staging points the parent's save at a staging directory",
+    "Trainer._save_checkpoint": "overridden to write checkpoints atomically (no public hook around the save)",
+    "trainer._train_batch_size": "the out-of-memory retry halves the micro-batch it trains with",
+    "args.average_tokens_across_devices": "switched off per micro-batch: the accumulator counts items across ranks",
+    "trainer.model_accepts_loss_kwargs": "set to False: the model's own per-micro-batch mean is what is weighted",
+    "trainer.accelerator.scaler": "replaced by a disabled GradScaler: the accumulator owns fp16 loss scaling",
+    "trainer.accelerator.native_amp": "decides whether fp16 autocast must be switched on by hand (CPU)",
+}
