@@ -92,15 +92,20 @@ def test_rotate_checkpoints_without_a_limit_deletes_nothing(tmp_path):
     assert len(os.listdir(run_dir)) == 3
 
 
+@pytest.fixture(scope="module")
+def built_trainer(tmp_path_factory):
+    return _tiny_trainer(tmp_path_factory.mktemp("built"))
+
+
 @pytest.mark.parametrize("name", list(compat.PRIVATE_TRAINER_NAMES))
-def test_private_trainer_names_exist_in_the_installed_release(name, tmp_path):
+def test_private_trainer_names_exist_in_the_installed_release(name, built_trainer):
     owner, attribute = name.split(".", 1)
     if owner == "Trainer":
         assert hasattr(Trainer, attribute), f"transformers {INSTALLED}: Trainer has no {attribute}"
     elif owner == "args":
         assert attribute in {f.name for f in dataclasses.fields(TrainingArguments)}
     else:
-        obj = _tiny_trainer(tmp_path)
+        obj = built_trainer
         for part in attribute.split("."):
             assert hasattr(obj, part), f"transformers {INSTALLED}: no {name}"
             obj = getattr(obj, part)

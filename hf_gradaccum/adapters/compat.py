@@ -71,9 +71,9 @@ def check_transformers_version(version: str | None = None) -> str:
 def rotate_checkpoints(trainer: Any, output_dir: str, use_mtime: bool = True) -> None:
     """
     Delete `trainer`'s older checkpoints in `output_dir` as the stock Trainer does after a save (`save_total_limit`,
-    keeping the best and the newest). transformers >= 5.1 has a module-level `trainer_utils.rotate_checkpoints`;
-    earlier releases (4.x, 5.0) only the private method `Trainer._rotate_checkpoints`, which reads the same two
-    values from `trainer.args` and `trainer.state`.
+    keeping the best and the newest). Later 5.x releases (5.12.1 and 5.23 among the tested ones) have a module-level
+    `trainer_utils.rotate_checkpoints`; 4.x and 5.0.0 only the private method `Trainer._rotate_checkpoints`, which
+    reads the same two values (`args.save_total_limit`, `state.best_model_checkpoint`) from the trainer.
     """
     try:
         from transformers.trainer_utils import rotate_checkpoints as module_rotate
