@@ -85,4 +85,7 @@ def test_outputs_match_the_stock_trainer_except_documented_additions(tmp_path):
     assert set(our_args) - set(stock_args) == ADDED_ARGUMENTS
     differing = {k for k in stock_args if stock_args[k] != our_args[k] and k not in ("output_dir", "logging_dir")}
     assert not differing, {k: (stock_args[k], our_args[k]) for k in differing}
-    assert our_args["average_tokens_across_devices"] is True  # the user's value, not silently overwritten
+    # The user's value as TrainingArguments keeps it (True on 5.x; 4.x turns it off itself at world size 1), not
+    # overwritten by GradAccumTrainer.
+    kept = TrainingArguments("unused", average_tokens_across_devices=True, use_cpu=True).average_tokens_across_devices
+    assert our_args["average_tokens_across_devices"] is kept
