@@ -5,8 +5,8 @@ cannot be exact is refused or said out loud."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import importlib.metadata
+import logging
 import os
 import pickle
 from dataclasses import fields
