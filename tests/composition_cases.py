@@ -27,6 +27,8 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from tests.ordering import SEQUENTIAL_ORDER
+
 WORDS = [f"w{i}" for i in range(40)]
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 
@@ -167,7 +169,7 @@ TRAIN_ARGS = dict(
     max_grad_norm=0.0,
     weight_decay=0.0,
     num_train_epochs=1,
-    train_sampling_strategy="sequential",
+    **SEQUENTIAL_ORDER,
     report_to=[],
     save_strategy="no",
     logging_strategy="no",

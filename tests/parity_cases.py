@@ -25,6 +25,8 @@ from transformers import (
     default_data_collator,
 )
 
+from tests.ordering import SEQUENTIAL_ORDER
+
 SEQ_LEN = 12
 VOCAB = 64
 
@@ -273,7 +275,7 @@ def train_with(
         max_grad_norm=0.0,
         weight_decay=0.0,
         num_train_epochs=1,
-        train_sampling_strategy="sequential",
+        **SEQUENTIAL_ORDER,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",

@@ -5,6 +5,7 @@ cannot be exact is refused or said out loud."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import pickle
@@ -258,6 +259,14 @@ def test_parent_training_step_that_bypasses_accelerator_backward_is_refused(tmp_
 
 
 # ---------------------------------------------------------------------------------- resume and a clean output_dir
+# transformers 4.x's loop never steps the partial last window after a mid-epoch resume (its sync check counts the
+# micro-batches from the resume point), so the stock SFTTrainer does not resume bitwise there either (measured on 4.56.2:
+# resumed global_step 1 instead of 2). Strict: it must fail on 4.x and pass on 5.x.
+@pytest.mark.xfail(
+    condition=int(importlib.metadata.version("transformers").split(".")[0]) < 5,
+    reason="transformers 4.x: the stock Trainer drops the partial last window after a mid-epoch resume",
+    strict=True,
+)
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_composed_sft_resume_is_bitwise_and_output_dir_is_clean(tmp_path):
     common = {"optim": "adamw_torch", "learning_rate": 1e-2, "save_strategy": "steps", "save_steps": 1}

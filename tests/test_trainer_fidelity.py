@@ -13,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.adapters.arguments import GradAccumFields
+from tests.ordering import SEQUENTIAL_ORDER
 from tests.parity_cases import CASES
 
 CASE = next(c for c in CASES if c.name == "bert_seq_cls")
@@ -26,7 +27,7 @@ def _run(trainer_cls, args_cls, output_dir, model, data):
         gradient_accumulation_steps=4,
         learning_rate=1e-3,
         num_train_epochs=2,
-        train_sampling_strategy="sequential",
+        **SEQUENTIAL_ORDER,
         report_to=[],
         save_strategy="steps",
         save_steps=2,
@@ -84,4 +85,7 @@ def test_outputs_match_the_stock_trainer_except_documented_additions(tmp_path):
     assert set(our_args) - set(stock_args) == ADDED_ARGUMENTS
     differing = {k for k in stock_args if stock_args[k] != our_args[k] and k not in ("output_dir", "logging_dir")}
     assert not differing, {k: (stock_args[k], our_args[k]) for k in differing}
-    assert our_args["average_tokens_across_devices"] is True  # the user's value, not silently overwritten
+    # The user's value as TrainingArguments keeps it (True on 5.x; 4.x turns it off itself at world size 1), not
+    # overwritten by GradAccumTrainer.
+    kept = TrainingArguments("unused", average_tokens_across_devices=True, use_cpu=True).average_tokens_across_devices
+    assert our_args["average_tokens_across_devices"] is kept
