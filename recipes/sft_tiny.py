@@ -1,8 +1,8 @@
 """Supervised fine-tuning with TRL's `SFTTrainer` and exact gradient accumulation, offline, in well under a minute.
 
 The two lines that matter are marked NEW: a trainer class that puts `GradAccumTrainer` in front of `SFTTrainer`
-(either order works), and `GradAccumSFTConfig`, which is TRL's `SFTConfig` (all of its defaults) plus the
-accumulation options. Everything else is ordinary TRL. The model is a tiny random-init Qwen2 built from a config and
+(either order works), and `GradAccumSFTConfig = GradAccumFields + SFTConfig`, which is TRL's `SFTConfig` (all of its
+defaults) plus the accumulation options. Everything else is ordinary TRL. The model is a tiny random-init Qwen2 built from a config and
 the tokenizer a word-level one built from the corpus, so nothing is downloaded.
 
 It trains twice from the same weights: micro-batches of 4 with 4 accumulation steps (GradAccumTrainer + SFTTrainer),
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+from dataclasses import dataclass
 
 import datasets
 import torch
@@ -24,7 +25,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from hf_gradaccum import GradAccumSFTConfig, GradAccumTrainer
+from hf_gradaccum import GradAccumFields, GradAccumTrainer
+
+
+@dataclass
+class GradAccumSFTConfig(GradAccumFields, SFTConfig):  # NEW: SFTConfig's defaults plus the accumulation options
+    """TRL's `SFTConfig` with the `GradAccumTrainer` options."""
 
 
 class GradAccumSFTTrainer(GradAccumTrainer, SFTTrainer):  # NEW: SFTTrainer with exact accumulation

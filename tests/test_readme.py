@@ -14,7 +14,6 @@ token counts, the README's loop makes exactly the hand-computed large-batch step
 from __future__ import annotations
 
 import copy
-import inspect
 import re
 from pathlib import Path
 
@@ -93,13 +92,6 @@ def _given(marker: str) -> dict:
     return GIVEN[names]()
 
 
-def _needs_backward_batch(code: str) -> None:
-    from hf_gradaccum import GradientAccumulator
-
-    if "backward(loss, batch=" in code and "batch" not in inspect.signature(GradientAccumulator.backward).parameters:
-        pytest.skip("GradientAccumulator.backward(loss, batch=...) is not in this checkout yet (helper C's change)")
-
-
 BLOCKS = readme_blocks()
 
 
@@ -114,7 +106,6 @@ def test_the_readme_has_python_blocks_and_every_skip_says_why():
 def test_readme_block_runs(line, marker, code, tmp_path, monkeypatch):
     if marker.startswith("skip"):
         pytest.skip(marker.removeprefix("skip").strip(" :"))
-    _needs_backward_batch(code)
     monkeypatch.chdir(tmp_path)  # blocks may write (the Trainer's "out" folder)
     namespace = _given(marker) if marker.startswith("given") else {}
     exec(compile(code, f"README.md:{line}", "exec"), namespace)  # noqa: S102 (the README's own code)
@@ -127,8 +118,7 @@ def test_readme_plain_loop_makes_the_large_batch_step_on_a_causal_lm(monkeypatch
     """The quickstart loop, as written, on GPT-2 micro-batches of unequal token counts: one window of 8 micro-batches
     must equal one SGD step on the mean loss over all the window's shifted labels (clipped at norm 1.0, as in the
     block). Counting unshifted labels would miss this by ~1e-2."""
-    (line, _, code) = next(b for b in BLOCKS if "GradientAccumulator(" in b[2] and "for i, batch in" in b[2])
-    _needs_backward_batch(code)
+    (line, _, code) = next(b for b in BLOCKS if "GradientAccumulator(" in b[2] and "accumulator.backward(" in b[2])
     monkeypatch.chdir(tmp_path)
     namespace = _loop_inputs()
     reference = copy.deepcopy(namespace["model"])

@@ -60,7 +60,7 @@ class GradAccumTrainer(Trainer):
     `TrainingArguments` (then with the default accumulation options).
 
     Composes with other `Trainer` subclasses in either order, e.g. `class MyTrainer(GradAccumTrainer, SFTTrainer)`
-    or `(SFTTrainer, GradAccumTrainer)` (or [`make_gradaccum_trainer`]): each micro-batch still runs through the
+    or `(SFTTrainer, GradAccumTrainer)`: each micro-batch still runs through the
     parents' own `training_step` and `compute_loss` (their contexts, metrics and auxiliary losses); only the
     backward is routed through the accumulator. Add the options to their arguments with [`GradAccumFields`].
 
