@@ -101,3 +101,26 @@ def test_bf16_autocast_check_uses_the_bf16_tolerance(tmp_path):
     assert record["tolerance"] == 4 * torch.finfo(torch.bfloat16).eps
     assert record["tolerance_rule"] == "bfloat16 computation"
     assert record["passed"], record["max_rel_diff"]
+
+
+class _NoisyBert(BertForSequenceClassification):
+    """A forward with randomness the check cannot switch off (noise drawn from torch's RNG in `forward`, not a
+    dropout module or a config switch): the check must say it cannot decide, never "not exact"."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 1e-2 * torch.rand(()) * out.loss
+        return out
+
+
+def test_cannot_decide_is_reported_as_such_and_never_raises(tmp_path):
+    torch.manual_seed(0)
+    args = GradAccumArguments(str(tmp_path), verify_accumulation="first_step", verify_raise=True, **TRAIN)
+    trainer = GradAccumTrainer(
+        model=_NoisyBert(tiny_bert_config(num_labels=3)), args=args, train_dataset=seq_cls_data(32, torch.Generator())
+    )
+    trainer.train()  # verify_raise=True: would raise on a "not exact" verdict
+    record = json.loads((tmp_path / "accumulation_check.json").read_text())
+    assert record["verdict"] == "cannot_decide" and not record["passed"], record
+    assert trainer.state.global_step == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -20,6 +21,8 @@ from ..verification import SplitInvarianceResult, verify_split_invariance
 from .arguments import gradaccum_option
 
 CHECK_FILE_NAME = "accumulation_check.json"
+VERDICTS = ("exact", "cannot_decide", "not_exact")  # ordered: the MAX over ranks is the global verdict
+VERDICT_CODES = {verdict: float(code) for code, verdict in enumerate(VERDICTS)}
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +41,10 @@ def should_verify(trainer: Any) -> bool:
             trainer.state.global_step
         )
     return False
+
+
+def _verdict(result: SplitInvarianceResult) -> str:
+    return getattr(result, "verdict", None) or ("exact" if result.passed else "not_exact")
 
 
 def _autocast_dtype(args: Any) -> torch.dtype | None:
@@ -71,20 +78,25 @@ def check_trainer_window(trainer: Any, batches: list[dict[str, Any]]) -> SplitIn
         )
     except (ValueError, TypeError) as e:  # a window that cannot be split: report, do not stop training
         error = e
-    # [max relative difference, any rank could not check]: MAX over ranks, so all ranks agree.
+    # [max relative difference, verdict code, any rank could not check]: MAX over ranks, so all ranks agree on the
+    # verdict: one rank's "not exact" outweighs another's "cannot decide", which outweighs "exact".
+    local_diff = result.max_rel_diff if result is not None else 0.0
+    local_diff = local_diff if local_diff is not None and math.isfinite(local_diff) else 0.0
     local = torch.tensor(
-        [result.max_rel_diff if result else 0.0, 1.0 if error else 0.0],
+        [local_diff, VERDICT_CODES[_verdict(result)] if result else 0.0, 1.0 if error else 0.0],
         dtype=torch.float64,
         device=trainer.args.device,
     )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    global_max, any_error = float(local[0]), bool(local[1])
+    global_max, verdict, any_error = float(local[0]), VERDICTS[int(local[1])], bool(local[2])
     if any_error:
         logger.warning("verify_accumulation: the window could not be checked on every rank (%s); skipped.", error)
         return None
-    result.max_rel_diff = global_max
-    result.passed = global_max <= result.tolerance
+    if global_max > 0 or (result.max_rel_diff is not None and math.isfinite(result.max_rel_diff)):
+        result.max_rel_diff = global_max  # else: decided by inspection alone (BatchNorm), nothing was compared
+    result.verdict = verdict
+    result.passed = verdict == "exact"
     trainer.log({"accumulator/verify_rel_diff": global_max})
     record = {"global_step": trainer.state.global_step, "world_size": trainer.args.world_size, **result.to_dict()}
     if trainer.is_world_process_zero():
@@ -93,6 +105,11 @@ def check_trainer_window(trainer: Any, batches: list[dict[str, Any]]) -> SplitIn
             json.dump(record, f, indent=2)
     if result.passed:
         logger.info("verify_accumulation: %s", result.summary())
+        return result
+    if verdict == "cannot_decide":
+        # Never a false alarm: a check that cannot tell (randomness it could not switch off, a forward that failed on
+        # a split) says so and never stops training, even with `verify_raise=True`.
+        logger.warning("verify_accumulation cannot decide whether accumulation is exact here.\n%s", result.summary())
         return result
     message = (
         "Gradient accumulation is NOT exact for this model: the same window split differently gives a different "
