@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import datasets
 import torch
@@ -31,6 +31,13 @@ from hf_gradaccum import GradAccumFields, GradAccumTrainer
 @dataclass
 class GradAccumSFTConfig(GradAccumFields, SFTConfig):  # NEW: SFTConfig's defaults plus the accumulation options
     """TRL's `SFTConfig` with the `GradAccumTrainer` options."""
+
+
+# transformers 5.x samples in order with `train_sampling_strategy="sequential"`; 4.x has no such field, and its random
+# sampler, seeded alike, gives both runs the same permutation, so each optimizer step still sees the same samples.
+SEQUENTIAL_ORDER = (
+    {"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in {f.name for f in fields(SFTConfig)} else {}
+)
 
 
 class GradAccumSFTTrainer(GradAccumTrainer, SFTTrainer):  # NEW: SFTTrainer with exact accumulation
@@ -92,7 +99,7 @@ def train(trainer_cls, config_cls, output_dir: str, micro: int, steps: int, epoc
         learning_rate=3e-3,
         max_grad_norm=1.0,
         bf16=False,  # TRL defaults to bf16; fp32 here so that the comparison is exact on CPU
-        train_sampling_strategy="sequential",  # both runs see the same samples in each optimizer step
+        **SEQUENTIAL_ORDER,  # both runs see the same samples in each optimizer step
         logging_steps=4,
         save_strategy="no",
         report_to=[],
