@@ -30,6 +30,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # 82 s under load: three real MiniLM arms in their own processes
 def test_recipe_coupled_matches_large_batch_and_plain_does_not(tmp_path):
     out = tmp_path / "out"
     proc = _run(["--output_dir", str(out), *TINY, "--arms", "large_batch", "coupled", "plain"])
