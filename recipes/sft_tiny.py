@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import datasets
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.utils.data import SequentialSampler
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import SFTConfig, SFTTrainer
 
@@ -33,11 +34,23 @@ class GradAccumSFTConfig(GradAccumFields, SFTConfig):  # NEW: SFTConfig's defaul
     """TRL's `SFTConfig` with the `GradAccumTrainer` options."""
 
 
-# transformers 5.x samples in order with `train_sampling_strategy="sequential"`; 4.x has no such field, and its random
-# sampler, seeded alike, gives both runs the same permutation, so each optimizer step still sees the same samples.
+# Both runs must see the same samples in each optimizer step. transformers 5.x samples in order with
+# `train_sampling_strategy="sequential"`; 4.x has no such field, and its random sampler draws from the global RNG when
+# iteration starts, so there the trainers take the 4.x way to a fixed order: a sequential `_get_train_sampler`.
 SEQUENTIAL_ORDER = (
     {"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in {f.name for f in fields(SFTConfig)} else {}
 )
+
+
+def in_order(trainer_cls: type) -> type:
+    """`trainer_cls` itself on transformers 5.x; on 4.x, a subclass that trains on the dataset in order."""
+    if SEQUENTIAL_ORDER:
+        return trainer_cls
+
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(self.train_dataset if train_dataset is None else train_dataset)
+
+    return type(trainer_cls.__name__, (trainer_cls,), {"_get_train_sampler": _get_train_sampler})
 
 
 class GradAccumSFTTrainer(GradAccumTrainer, SFTTrainer):  # NEW: SFTTrainer with exact accumulation
@@ -126,8 +139,8 @@ def main() -> None:
     texts = corpus(cli.samples)
     with tempfile.TemporaryDirectory() as tmp:
         out = cli.output_dir or tmp
-        accumulated = train(GradAccumSFTTrainer, GradAccumSFTConfig, f"{out}/accumulated", 4, 4, cli.epochs, texts)
-        large = train(SFTTrainer, SFTConfig, f"{out}/large_batch", 16, 1, cli.epochs, texts)
+        accumulated = train(in_order(GradAccumSFTTrainer), GradAccumSFTConfig, f"{out}/accumulated", 4, 4, cli.epochs, texts)
+        large = train(in_order(SFTTrainer), SFTConfig, f"{out}/large_batch", 16, 1, cli.epochs, texts)
     losses = [h["loss"] for h in accumulated.state.log_history if "loss" in h]
     print(
         f"accumulated run (4 x 4): {accumulated.state.global_step} optimizer steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
