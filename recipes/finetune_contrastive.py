@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from hf_gradaccum import GradientAccumulator  # noqa: E402
 from hf_gradaccum.adapters.coupled import mean_pool, ranking_coupled_loss, ranking_window_loss  # noqa: E402
 from hf_gradaccum.assets import MissingAssetError, locate_asset  # noqa: E402
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
 
 ARMS = ("large_batch", "coupled", "plain", "small_batch")
 DEFAULT_CONFIG = ROOT / "configs" / "finetune_contrastive.yaml"
@@ -360,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_process_group_and_exit(main())  # under a launch, an exit that cannot abort in gloo's teardown

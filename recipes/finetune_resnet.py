@@ -62,6 +62,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Re
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.assets import MissingAssetError, locate_asset
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"
@@ -409,4 +410,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_process_group_and_exit(main())  # under a launch, an exit that cannot abort in gloo's teardown

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hf_gradaccum import GradientAccumulator
 from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
 
 
 def make_model() -> torch.nn.Module:
@@ -76,8 +77,9 @@ def main() -> None:
     w_ref = torch.cat([p.detach().flatten() for p in reference.parameters()])
     difference = float((w_acc - w_ref).norm() / w_ref.norm())
     accelerator.print(f"relative weight difference after {args.epochs} epochs: {difference:.2e}")
-    accelerator.end_training()  # ranks leave together and tear the process group down
 
 
 if __name__ == "__main__":
     main()
+    # Ranks leave together; the exit skips the interpreter teardown, where gloo can abort a finished run (SIGABRT).
+    leave_process_group_and_exit(0)

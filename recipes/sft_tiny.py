@@ -38,7 +38,9 @@ class GradAccumSFTConfig(GradAccumFields, SFTConfig):  # NEW: SFTConfig's defaul
 # `train_sampling_strategy="sequential"`; 4.x has no such field, and its random sampler draws from the global RNG when
 # iteration starts, so there the trainers take the 4.x way to a fixed order: a sequential `_get_train_sampler`.
 SEQUENTIAL_ORDER = (
-    {"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in {f.name for f in fields(SFTConfig)} else {}
+    {"train_sampling_strategy": "sequential"}
+    if "train_sampling_strategy" in {f.name for f in fields(SFTConfig)}
+    else {}
 )
 
 
@@ -139,7 +141,9 @@ def main() -> None:
     texts = corpus(cli.samples)
     with tempfile.TemporaryDirectory() as tmp:
         out = cli.output_dir or tmp
-        accumulated = train(in_order(GradAccumSFTTrainer), GradAccumSFTConfig, f"{out}/accumulated", 4, 4, cli.epochs, texts)
+        accumulated = train(
+            in_order(GradAccumSFTTrainer), GradAccumSFTConfig, f"{out}/accumulated", 4, 4, cli.epochs, texts
+        )
         large = train(in_order(SFTTrainer), SFTConfig, f"{out}/large_batch", 16, 1, cli.epochs, texts)
     losses = [h["loss"] for h in accumulated.state.log_history if "loss" in h]
     print(

@@ -105,10 +105,7 @@ def add_verification_to_report(output_dir: str | Path, specs: Sequence[ArmSpec])
         cause = ", ".join(v["causes"]) + (f" ({', '.join(v['modules'])}, ...)" if v["modules"] else "")
         # None: nothing compared (a BatchNorm window too small to split, judged by inspection).
         diff = "-" if v["max_rel_diff"] is None else f"{v['max_rel_diff']:.2e}"
-        lines.append(
-            f"| {name} | {verdict} | {diff} | {v['tolerance']:.0e} | {cause or '-'} | "
-            f"{v['seconds']:.1f} s |"
-        )
+        lines.append(f"| {name} | {verdict} | {diff} | {v['tolerance']:.0e} | {cause or '-'} | {v['seconds']:.1f} s |")
     with md_path.open("a") as f:
         f.write("\n".join(lines) + "\n")
     return verdicts

@@ -15,6 +15,7 @@ from peft import LoraConfig  # noqa: E402
 from trl import SFTTrainer  # noqa: E402
 
 from hf_gradaccum import GradAccumSFTConfig, GradAccumTrainer  # noqa: E402
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.composition_cases import (  # noqa: E402
     TRAIN_ARGS,
     causal_lm_window_loss,
@@ -67,5 +68,4 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group_and_exit(0)  # an exit that cannot abort in gloo's teardown

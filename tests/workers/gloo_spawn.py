@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.multiprocess import free_port  # noqa: E402
 
 # A rank that crashed leaves the others blocked in a collective; they are terminated (SIGTERM, exit code -15, so
@@ -39,9 +40,10 @@ def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, a
     torch.set_num_threads(1)
     try:
         worker(rank, world_size, *args)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group_and_exit(0)  # barrier, destroy, and an exit that cannot abort in gloo's teardown
 
 
 def spawn_gloo(worker: Callable[..., None], world_size: int, *args: object, timeout: float = 300.0) -> list[int]:

@@ -18,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hf_gradaccum import GradientAccumulator, count_items_in_batch  # noqa: E402
 from hf_gradaccum.adapters.moe import WindowRouterBalance  # noqa: E402
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.composition_cases import flat_trainable, pad_cat, sgd_reference, tiny_mixtral, update_error  # noqa: E402
 from tests.test_moe_balance import PAD, _collate, _rows, large_batch_loss  # noqa: E402
 
@@ -69,9 +70,8 @@ def main(out_dir: str) -> None:
             float(start(**pad_cat(w, PAD), output_router_logits=True).aux_loss) for w in global_windows[:1]
         ]
     Path(out_dir, f"moe_ddp_rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group_and_exit(0)  # barrier, destroy, and an exit that cannot abort in gloo's teardown

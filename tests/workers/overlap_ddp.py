@@ -23,6 +23,7 @@ from torch import nn  # noqa: E402
 from transformers import BertForSequenceClassification, default_data_collator  # noqa: E402
 
 from hf_gradaccum import DynamicLossScaler, GradientAccumulator  # noqa: E402
+from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.parity_cases import (  # noqa: E402
     CASES,
     flat_params,
@@ -206,9 +207,8 @@ def main(out_dir: str) -> None:
     fp16_recompute(accelerator, rank, record)
     with open(os.path.join(out_dir, f"overlap_rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group_and_exit(0)  # barrier, destroy, and an exit that cannot abort in gloo's teardown

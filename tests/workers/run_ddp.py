@@ -9,11 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from tests.workers import ddp_workers  # noqa: E402
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
 
     getattr(ddp_workers, sys.argv[1])(*sys.argv[2:])
-    if dist.is_initialized():
-        # Leave together and tear gloo down explicitly: a rank that exits while the other still holds the group can
-        # abort in gloo's destructor ("terminate called without an active exception"), failing a passed test.
-        dist.barrier()
-        dist.destroy_process_group()
+    # Leave together, and exit without the interpreter teardown in which gloo can abort a passed run.
+    leave_process_group_and_exit(0)
