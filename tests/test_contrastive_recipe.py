@@ -33,7 +33,9 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.slow  # 82 s under load: three real MiniLM arms in their own processes
 def test_recipe_coupled_matches_large_batch_and_plain_does_not(tmp_path):
     out = tmp_path / "out"
-    proc = _run(["--output_dir", str(out), *TINY, "--arms", "large_batch", "coupled", "plain"])
+    proc = _run(
+        ["--output_dir", str(out), *TINY, "--encoder", "pretrained", "--arms", "large_batch", "coupled", "plain"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     arms = report["arms"]
@@ -46,16 +48,32 @@ def test_recipe_coupled_matches_large_batch_and_plain_does_not(tmp_path):
     assert "| coupled |" in (out / "report.md").read_text()
 
 
+def test_recipe_from_scratch_encoder_coupled_matches_large_batch(tmp_path):
+    """The default config's encoder (2 layers x 128, random init): the coupled arm's per-step loss is the large
+    batch's at 1e-5 relative, and the report states the recall of every arm against the large batch's."""
+    out = tmp_path / "out"
+    proc = _run(["--output_dir", str(out), *TINY, "--encoder", "random_small", "--arms", "large_batch", "coupled"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    arms = json.loads((out / "report.json").read_text())["arms"]
+    large, coupled = arms["large_batch"]["losses"], arms["coupled"]["losses"]
+    assert len(large) == len(coupled) == 2
+    assert max(abs(c - r) / abs(r) for c, r in zip(coupled, large, strict=True)) <= 1e-5
+    report = (out / "report.md").read_text()
+    assert "random init" in report and "Held-out recall@1 after training" in report and "coupled " in report
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--learning_rate", "0"], "--learning_rate must be > 0"),
         (["--arms", "large_batch", "big_batch"], "`arms` must be a non-empty list among"),
         (["--train_pairs", "100000"], "but the corpus has at most"),
+        (["--encoder", "large"], "`encoder` must be one of ['pretrained', 'random_small']"),
+        (["--positive_sentence", "last"], "`positive_sentence` must be one of ['opening', 'middle']"),
     ],
 )
 def test_recipe_bad_input_exits_2_before_any_arm(tmp_path, capsys, args, message):
-    """In-process `main` (the command line's exit code is `sys.exit(main())`): 2, one line, no output folder."""
+    """In-process `main` (the command line exits with what `main` returns): 2, one line, no output folder."""
     out = tmp_path / "out"
     assert load_recipe("finetune_contrastive").main(["--output_dir", str(out), *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
