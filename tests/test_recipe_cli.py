@@ -57,8 +57,6 @@ def yaml_values_not_shown(help_text: str, config: Path) -> dict[str, tuple]:
             ok = text is not None and float(text) == float(value)
         elif isinstance(value, list):
             ok = text is not None and text.replace("'", "") == str(value).replace("'", "")
-        elif isinstance(value, bool):
-            ok = text is not None and text.lower() == str(value).lower()
         else:
             ok = text == str(value)
         if not ok:
