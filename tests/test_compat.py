@@ -1,19 +1,23 @@
 """The transformers compatibility layer (`hf_gradaccum/adapters/compat.py`), checked against the installed release.
 
-The same file runs in every virtualenv of `make test-compat` (the oldest supported transformers and a mid-range one)
-and in the main suite (the newest), so each supported release gets its own run of these checks."""
+The same file runs in every virtualenv of `make test-compat` (the oldest supported stack, a CUDA image's stack and
+the newest releases) and in the main suite, so each supported release gets its own run of these checks."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
 import inspect
+import logging
 import os
 
 import pytest
+import tomllib
 import torch
+from packaging.requirements import Requirement
 from transformers import Trainer, TrainingArguments
 
+from hf_gradaccum import versions
 from hf_gradaccum.adapters import compat
 from hf_gradaccum.adapters.compat import (
     SUPPORTED_TRANSFORMERS,
@@ -26,28 +30,61 @@ pytestmark = pytest.mark.compat
 INSTALLED = importlib.metadata.version("transformers")
 
 
-def test_installed_release_is_in_the_supported_range():
+def test_installed_release_is_accepted():
     assert check_transformers_version() == INSTALLED
 
 
-@pytest.mark.parametrize("version", ["4.56.2", "4.57.6", "5.0.0", "5.12.1", "5.23.0", "5.23.9", "5.23.0.dev0"])
-def test_releases_in_the_range_are_accepted(version):
-    assert check_transformers_version(version) == version
+@pytest.mark.parametrize("version", ["4.56.2", "4.57.6", "5.0.0", "5.12.1", "5.23.0", "5.24.0", "5.23.0.dev0"])
+def test_tested_releases_are_accepted_without_a_warning(version, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum"):
+        assert check_transformers_version(version) == version
+    assert not caplog.records
 
 
-@pytest.mark.parametrize("version", ["4.56.1", "4.55.4", "4.46.0", "5.24.0", "5.24.0.dev0", "6.0.0", "not-a-version"])
-def test_releases_outside_the_range_are_refused_naming_the_range(version):
+@pytest.mark.parametrize("version", ["5.25.0", "5.25.0.dev0", "6.0.0", "7.1.2+local"])
+def test_newer_releases_are_accepted_with_one_warning_naming_the_newest_tested(version, caplog):
+    versions._warn_newer_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum"):
+        for _ in range(3):
+            assert check_transformers_version(version) == version
+    assert len(caplog.records) == 1, caplog.records
+    assert f"transformers {version} is newer" in caplog.text
+    assert versions.TESTED["transformers"].newest in caplog.text
+
+
+@pytest.mark.parametrize("version", ["4.56.1", "4.55.4", "4.46.0", "not-a-version"])
+def test_releases_below_the_floor_are_refused_naming_the_floor(version):
     with pytest.raises(UnsupportedTransformersError, match=f"transformers{SUPPORTED_TRANSFORMERS}") as refused:
         check_transformers_version(version)
     assert isinstance(refused.value, ImportError)  # what `from hf_gradaccum import GradAccumTrainer` raises
 
 
-def test_declared_dependency_is_the_checked_range():
-    """pyproject.toml's `transformers` requirement and the import-time check name the same range."""
+def test_declared_dependencies_are_floors_without_ceilings():
+    """pyproject.toml declares the checked floors of torch, transformers and accelerate and no upper bound, so a
+    user's newer install is never replaced."""
     pyproject = os.path.join(os.path.dirname(__file__), os.pardir, "pyproject.toml")
-    with open(pyproject) as f:
-        text = f.read()
-    assert f'"transformers{SUPPORTED_TRANSFORMERS}"' in text
+    with open(pyproject, "rb") as f:
+        declared = tomllib.load(f)["project"]["dependencies"]
+    by_name = {Requirement(r).name: Requirement(r) for r in declared}
+    for package in ("torch", "transformers", "accelerate"):
+        specifiers = list(by_name[package].specifier)
+        oldest = versions.TESTED[package].oldest
+        assert [(s.operator, s.version) for s in specifiers] in ([(">=", oldest)], [(">=", oldest.removesuffix(".0"))])
+
+
+def test_a_missing_private_name_fails_at_the_feature_naming_it(tmp_path, monkeypatch):
+    """A release without a private detail breaks the feature that needs it, at construction, with a clear message;
+    importing the package and building a trainer without the feature still work."""
+    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+
+    monkeypatch.delattr(Trainer, "_get_output_dir")
+    args = GradAccumArguments(str(tmp_path), report_to=[], use_cpu=True)
+    GradAccumTrainer(model=torch.nn.Linear(2, 2), args=args)
+    atomic = GradAccumArguments(str(tmp_path), report_to=[], use_cpu=True, atomic_checkpoints=True)
+    with pytest.raises(
+        compat.MissingTransformersFeatureError, match=r"`atomic_checkpoints=True` needs Trainer\._get_output_dir"
+    ):
+        GradAccumTrainer(model=torch.nn.Linear(2, 2), args=atomic)
 
 
 def _tiny_trainer(tmp_path, **args):

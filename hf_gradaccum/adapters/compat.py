@@ -4,40 +4,32 @@ The adapters rely on the Trainer's public contract (`training_step`, `compute_lo
 `create_optimizer`/`create_scheduler`, callbacks). Where a private detail is unavoidable, it is reached through a
 function here, and `tests/test_compat.py` checks each one against the installed transformers; `.ci/run`'s
 compatibility job (`make test-compat`) runs that file, with the parity, fidelity and composition tests, in fresh
-virtualenvs with the oldest supported release and a mid-range one.
+virtualenvs with the oldest supported stack, a current CUDA image's stack and the newest releases.
 
-`check_transformers_version` runs when `hf_gradaccum.adapters` is imported: a release outside
-`SUPPORTED_TRANSFORMERS` is refused there, with the range in the message, rather than failing later in a private
-name.
+`check_transformers_version` runs when `hf_gradaccum.adapters` is imported: a release older than the supported floor
+is refused there, with the floor in the message; a release newer than the newest tested one is accepted with one
+logged warning (`hf_gradaccum.versions`). A private name that a future release removes fails at the feature that
+needs it (`require_private_names`), with the feature and the release in the message, never at import.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from ..versions import TESTED, UnsupportedVersionError, check_version
 
-# --- helper B ---
+TRANSFORMERS_MIN = TESTED["transformers"].oldest
+SUPPORTED_TRANSFORMERS = TESTED["transformers"].requirement
 
-# The declared range (keep in step with `dependencies` in pyproject.toml and docs/compatibility.md). The floor is
-# TRL's (`trl>=1.16` needs `transformers>=4.56.2`); the ceiling is the first release no test has run against.
-TRANSFORMERS_MIN = "4.56.2"
-TRANSFORMERS_MAX_EXCLUSIVE = "5.24"
-SUPPORTED_TRANSFORMERS = f">={TRANSFORMERS_MIN},<{TRANSFORMERS_MAX_EXCLUSIVE}"
-
-
-class UnsupportedTransformersError(ImportError):
-    """Raised at import of `hf_gradaccum.adapters` when the installed transformers is outside the tested range."""
+# Kept as the name callers catch; an `ImportError`, like every version refusal of the package.
+UnsupportedTransformersError = UnsupportedVersionError
 
 
 def check_transformers_version(version: str | None = None) -> str:
     """
-    Refuse a transformers release outside [`SUPPORTED_TRANSFORMERS`] with an [`UnsupportedTransformersError`] that
-    names the range. `version` defaults to the installed release; returns the version checked.
-
-    Pre-releases and local builds of a supported release (`5.23.0.dev0`, `4.57.6+local`) count as that release: the
-    check compares the release number only, so a source checkout of a supported line is accepted.
+    Refuse a transformers release older than [`SUPPORTED_TRANSFORMERS`] with an [`UnsupportedTransformersError`] that
+    names the floor; accept a newer one than the newest tested, with one logged warning. `version` defaults to the
+    installed release; returns the version checked.
 
     Example:
 
@@ -47,25 +39,49 @@ def check_transformers_version(version: str | None = None) -> str:
     '4.57.6'
     >>> check_transformers_version("4.55.4")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
-    UnsupportedTransformersError: hf_gradaccum supports transformers>=4.56.2,<5.24; found 4.55.4. ...
+    UnsupportedVersionError: hf_gradaccum's Trainer adapters need transformers>=4.56.2; found 4.55.4. ...
     ```
     """
-    if version is None:
-        version = importlib.metadata.version("transformers")
-    try:
-        release = Version(Version(version).base_version)
-    except InvalidVersion:
-        raise UnsupportedTransformersError(
-            f"hf_gradaccum supports transformers{SUPPORTED_TRANSFORMERS}; cannot parse the installed version "
-            f"{version!r}."
-        ) from None
-    if not (Version(TRANSFORMERS_MIN) <= release < Version(TRANSFORMERS_MAX_EXCLUSIVE)):
-        raise UnsupportedTransformersError(
-            f"hf_gradaccum supports transformers{SUPPORTED_TRANSFORMERS}; found {version}. GradAccumTrainer drives "
-            "parts of the Trainer's loop that change between releases, and only this range is tested. Install a "
-            f'supported release, e.g. `pip install "transformers{SUPPORTED_TRANSFORMERS}"`.'
+    return check_version("transformers", "hf_gradaccum's Trainer adapters", version)
+
+
+class MissingTransformersFeatureError(RuntimeError):
+    """A private Trainer/Accelerator name a feature needs is missing from the installed transformers/accelerate."""
+
+
+def require_private_names(trainer: Any, names: list[str], feature: str) -> None:
+    """
+    Raise [`MissingTransformersFeatureError`] naming `feature`, the missing names and the installed releases when
+    `trainer` (a constructed `Trainer`) lacks one of `names` (keys of [`PRIVATE_TRAINER_NAMES`]). Called when a
+    feature is switched on, so a release that renames a private detail breaks only the feature that uses it.
+    """
+    from transformers import Trainer
+
+    missing = [name for name in names if not _has_private_name(trainer, Trainer, name)]
+    if missing:
+        import accelerate
+        import transformers
+
+        raise MissingTransformersFeatureError(
+            f"{feature} needs {', '.join(missing)}, which transformers {transformers.__version__} / accelerate "
+            f"{accelerate.__version__} no longer provide (newest tested: transformers {TESTED['transformers'].newest},"
+            f" accelerate {TESTED['accelerate'].newest}). Install a tested release, turn the feature off, or report "
+            "it with the output of `hf-gradaccum env`."
         )
-    return version
+
+
+def _has_private_name(trainer: Any, trainer_class: type, name: str) -> bool:
+    owner, _, attribute = name.partition(".")
+    if owner == "Trainer":
+        return hasattr(trainer_class, attribute)
+    if owner == "args":
+        return hasattr(trainer.args, attribute)
+    target = trainer
+    for part in name.split(".")[1:]:
+        if not hasattr(target, part):
+            return False
+        target = getattr(target, part)
+    return True
 
 
 def rotate_checkpoints(trainer: Any, output_dir: str, use_mtime: bool = True) -> None:
@@ -104,3 +120,7 @@ PRIVATE_TRAINER_NAMES = {
     "the accumulator owns fp16 loss scaling",
     "trainer.accelerator.native_amp": "decides whether fp16 autocast must be switched on by hand (CPU)",
 }
+
+# What each feature needs of `PRIVATE_TRAINER_NAMES`, checked when the feature is switched on.
+ATOMIC_CHECKPOINT_PRIVATE_NAMES = ["Trainer._get_output_dir", "Trainer._save_checkpoint"]
+CORE_PRIVATE_NAMES = [name for name in PRIVATE_TRAINER_NAMES if name not in ATOMIC_CHECKPOINT_PRIVATE_NAMES]

@@ -41,6 +41,7 @@ from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .atomic_checkpoints import save_checkpoint_atomically
 from .batch_policies import apply_batch_policies
+from .compat import ATOMIC_CHECKPOINT_PRIVATE_NAMES, CORE_PRIVATE_NAMES, require_private_names
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
@@ -77,6 +78,9 @@ class GradAccumTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
+        require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")
+        if gradaccum_option(self.args, "atomic_checkpoints"):
+            require_private_names(self, ATOMIC_CHECKPOINT_PRIVATE_NAMES, "`atomic_checkpoints=True`")
         refuse_batch_level_losses(self)
         check_trainer_engine(self)
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
