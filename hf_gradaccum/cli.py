@@ -1,4 +1,8 @@
-"""`hf-gradaccum verify`: is gradient accumulation exact for a model you name? Offline by default.
+"""`hf-gradaccum env` (what this install found), `hf-gradaccum test` (is accumulation exact on this device, in each
+precision it supports?) and `hf-gradaccum verify` (is it exact for a model you name? Offline by default).
+
+    hf-gradaccum env
+    hf-gradaccum test --device cuda --precision fp32,bf16,fp16 --full
 
     hf-gradaccum verify --model bert-base-uncased --task seq-cls --micro_batch_size 8 --gradient_accumulation_steps 4
 
@@ -84,7 +88,54 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     v.add_argument("--seed", type=_nonnegative_int, default=0, help="Seed of the sample choice and of new heads.")
     v.add_argument("--json", default=None, help="Also write the result as JSON to this file (checked first).")
+
+    e = sub.add_parser("env", help="Print versions, devices and backends as Markdown (for bug reports).",
+                       description="Print versions, devices and backends as Markdown (for bug reports).")  # fmt: skip
+    e.add_argument("--json", default=None, help="Also write them as JSON to this file.")
+    t = sub.add_parser(
+        "test",
+        help="Self-test: is accumulation exact on this device, in each precision it supports?",
+        description="Self-test on tiny built-in models (no download): the accumulated step against the hand-computed "
+        "large batch per precision, an fp16 overflow costing one micro-batch, the out-of-memory retry under a real "
+        "memory cap, and with --full DDP and FSDP2 on 2 local processes.",
+        epilog="exit status: 0 every check passed or was skipped (a skipped check says why), 1 a check failed, "
+        "2 bad usage",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--device", default="cpu", help="Device to test: cpu, cuda, cuda:1, mps, xpu, ...")
+    t.add_argument("--precision", type=_precision_list, default="fp32,bf16,fp16",
+                   help="Comma-separated subset of fp32, bf16, fp16; those the device lacks are skipped.")  # fmt: skip
+    t.add_argument("--full", action="store_true", help="Also DDP and FSDP2 on 2 local processes.")
+    t.add_argument("--json", default=None, help="Also write the results as JSON to this file (checked first).")
     return parser
+
+
+def _precision_list(text: str) -> list[str]:
+    from .diagnostics.precision import PRECISIONS
+
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PRECISIONS]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated subset of {','.join(PRECISIONS)}, got {text!r}")
+    return list(dict.fromkeys(chosen))
+
+
+def _check_device(value: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device {value}: not a device; use cpu, cuda, cuda:N, mps or xpu.") from None
+    if device.type == "cpu":
+        return
+    module = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    if module is None or not module.is_available():
+        raise InputError(f"--device {value}: no {device.type} device is available to this torch "
+                         f"({torch.__version__}); use --device cpu, or a device `hf-gradaccum env` lists.")  # fmt: skip
+    count = getattr(module, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise InputError(f"--device {value}: only {count} {device.type} device(s), indices 0..{count - 1}.")
 
 
 def _check_json_destination(value: str) -> None:
@@ -319,17 +370,41 @@ def verify(args: argparse.Namespace) -> int:
     return EXIT_CODES[verdict]
 
 
+def run_env(args: argparse.Namespace) -> int:
+    """`hf-gradaccum env`: print the environment as Markdown (and JSON to `--json`)."""
+    from .diagnostics.environment import collect_environment, format_environment
+
+    if args.json is not None:
+        _check_json_destination(args.json)
+    env = collect_environment()
+    print(format_environment(env))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(env, f, indent=2)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """
     Console script `hf-gradaccum`; returns the exit status.
 
     Example: `hf-gradaccum verify --task seq-cls --micro_batch_size 8` (0 exact, 1 not exact, 3 cannot decide,
-    2 bad usage or input, 4 internal error).
+    2 bad usage or input, 4 internal error); `hf-gradaccum test` (0 all checks passed or skipped, 1 a check failed);
+    `hf-gradaccum env`.
     """
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints the subcommand's usage and exits 2
     prog = f"{parser.prog} {args.command}"
     try:
+        if args.command == "env":
+            return run_env(args)
+        if args.command == "test":
+            if args.json is not None:
+                _check_json_destination(args.json)
+            _check_device(args.device)
+            from .diagnostics.self_test import run_self_test
+
+            return run_self_test(args.device, args.precision, full=args.full, json_path=args.json)
         check_inputs(args)
         return verify(args)
     except InputError as error:

@@ -32,7 +32,7 @@ class TestedRange:
 
 
 TESTED: dict[str, TestedRange] = {
-    "torch": TestedRange("2.9.0", "2.14.1"),
+    "torch": TestedRange("2.6.0", "2.14.1"),
     "transformers": TestedRange("4.56.2", "5.24.0"),
     "accelerate": TestedRange("1.10.1", "1.15.0"),
     "trl": TestedRange("1.16.0", "1.16.0"),

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.multiprocess import launch
+from tests.torch_features import needs_fsdp2_torch
 from tests.workers import ddp_workers
 
 
@@ -57,6 +58,7 @@ def test_trainer_fsdp1_is_refused_and_plain_fsdp2_accepted(tmp_path):
     assert json.loads((tmp_path / "refused_rank1.json").read_text())["zero_item_masked_mean"]["hint_logged"]
 
 
+@needs_fsdp2_torch
 def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(tmp_path):
     """GradAccumTrainer with Accelerate's FSDP2 plugin (fully_shard by Accelerate, gloo): the update equals the large
     batch with and without clipping on the global norm, and a resume from the sharded step-1 checkpoint ends bitwise

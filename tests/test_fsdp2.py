@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.multiprocess import run_script
+from tests.torch_features import needs_fsdp2_torch
+
+pytestmark = needs_fsdp2_torch
 
 RTOL = 1e-5
 

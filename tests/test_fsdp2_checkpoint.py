@@ -11,6 +11,9 @@ import torch
 
 from hf_gradaccum import AccumulatorCheckpoint, GradientAccumulator
 from tests.multiprocess import run_script
+from tests.torch_features import needs_fsdp2_torch
+
+pytestmark = needs_fsdp2_torch
 
 WORKER = "tests/workers/fsdp2_checkpoint.py"
 RANKS = (0, 1)

@@ -10,6 +10,9 @@ import torch
 
 from hf_gradaccum import GradientAccumulator
 from tests.test_fsdp2 import RTOL, spawn
+from tests.torch_features import needs_fsdp2_torch
+
+pytestmark = needs_fsdp2_torch
 
 
 def run_schedule(world_size: int, tmp_path: Path) -> dict:

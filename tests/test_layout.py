@@ -3,6 +3,7 @@
     engine   <- torch (+ accelerate.utils); no transformers, nothing else of this package
     helpers  <- engine
     adapters <- engine, helpers (+ transformers)
+    diagnostics <- engine, helpers (`hf-gradaccum env` / `test`; tiny transformers models, nothing downloaded)
 
 The recipes' experiment machinery (`recipes/harness/`) is not part of the installed package: it imports the package,
 the package (and its `hf-gradaccum` CLI) never imports it. `import hf_gradaccum` imports none of the parts (lazy
@@ -27,6 +28,7 @@ ALLOWED = {
     "helpers": {"engine"},
     "verification": {"engine", "helpers"},
     "adapters": {"engine", "helpers", "verification"},
+    "diagnostics": {"engine", "helpers"},
 }
 HARNESS = PACKAGE.parent / "recipes" / "harness"
 # third-party packages a part must not import

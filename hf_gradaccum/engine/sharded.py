@@ -36,6 +36,15 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp2_supported() -> bool:
+    """Whether this torch can accumulate an FSDP2 model: its reduce-scatter must be made to sum (torch>=2.8)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return hasattr(FSDPModule, "set_gradient_divide_factor")
+
+
 def prepare_fsdp2_for_summing(model: nn.Module) -> list[nn.Module]:
     """
     Make every FSDP2 module's reduce-scatter sum instead of average (gradient divide factor 1.0), so item weights
@@ -51,6 +60,12 @@ def prepare_fsdp2_for_summing(model: nn.Module) -> list[nn.Module]:
     ```
     """
     modules = fsdp2_modules(model)
+    if modules and not fsdp2_supported():
+        raise RuntimeError(
+            f"Accumulating an FSDP2 (`fully_shard`) model needs torch>=2.8 (`FSDPModule.set_gradient_divide_factor`, "
+            f"to make the reduce-scatter sum rather than average); found torch {torch.__version__}. Upgrade torch, or "
+            "use DDP or a single process, which work from torch 2.6."
+        )
     for module in modules:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives (a divide by 1.0 after them is exact): gloo has no PREMUL_SUM, and a sum needs none.
