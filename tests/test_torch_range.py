@@ -18,4 +18,3 @@ def test_fsdp2_on_an_older_torch_is_refused_naming_the_torch_it_needs(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "Accumulating an FSDP2 (`fully_shard`) model needs torch>=2.8" in proc.stderr, proc.stderr[-3000:]
-

@@ -109,5 +109,6 @@ def format_environment(env: dict[str, Any]) -> str:
         unsupported = "; ".join(f"{p}: {why}" for p, why in device["unsupported"].items()) or "-"
         lines.append(f"| {device['name']} | {device['detail']} | {', '.join(device['precisions'])} | {unsupported} |")
     tested = ", ".join(f"{name} {r.oldest}..{r.newest}" for name, r in TESTED.items())
-    lines += ["", f"Tested ranges: {tested} (older than the first: refused; newer than the second: one warning)."]
+    lines += ["", f"Tested: {tested}. torch, transformers and accelerate older than the first are refused; any package "
+              "newer than the second gets one warning and is used. trl and peft are optional (the test extras)."]  # fmt: skip
     return "\n".join(lines)
