@@ -170,8 +170,16 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise InputError(str(error)) from None
 
 
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise InputError("hf-gradaccum verify reads its data with `datasets`: `pip install datasets`.") from None
+    return datasets
+
+
 def _text_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
-    import datasets
+    datasets = _import_datasets()
 
     if args.dataset is None:
         from .assets import locate_asset
@@ -188,7 +196,7 @@ def _text_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
 
 
 def _load_dataset(args: argparse.Namespace):
-    import datasets
+    datasets = _import_datasets()
 
     try:
         if os.path.isfile(args.dataset):
