@@ -7,8 +7,14 @@ import json
 import pytest
 
 from tests.multiprocess import launch
+from tests.ordering import HAS_SAMPLING_STRATEGY
 from tests.torch_features import needs_fsdp2_torch
 from tests.workers import ddp_workers
+
+# The Trainer workers fix the sample order with `train_sampling_strategy`, a transformers 5.x argument.
+needs_sampling_strategy = pytest.mark.skipif(
+    not HAS_SAMPLING_STRATEGY, reason="the DDP Trainer workers need TrainingArguments(train_sampling_strategy=...)"
+)
 
 
 # GPT-2 (shifted labels, token counts per rank) in the slow run only: the default run stays under 10 minutes.
@@ -33,6 +39,7 @@ def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
     )
 
 
+@needs_sampling_strategy
 @pytest.mark.parametrize("case_name", ["bert_seq_cls", pytest.param("gpt2_causal_lm", marks=pytest.mark.slow)])
 def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
     launch("trainer_parity", case_name, str(tmp_path))
@@ -42,6 +49,7 @@ def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
         assert record["err"] <= ddp_workers.RTOL
 
 
+@needs_sampling_strategy
 def test_trainer_fsdp1_is_refused_and_plain_fsdp2_accepted(tmp_path):
     launch("sharded_engines_refused", str(tmp_path))
     for r in (0, 1):
