@@ -1,4 +1,4 @@
-"""Proving that gradient accumulation is exact for a given model, loss and item counting (issue 10).
+"""Proving that gradient accumulation is exact for a given model, loss and item counting.
 
 May import `engine` and `helpers` only (see tests/test_layout.py).
 """
