@@ -8,7 +8,7 @@ import pytest
 
 from tests.multiprocess import launch
 from tests.ordering import HAS_SAMPLING_STRATEGY
-from tests.torch_features import needs_fsdp2_torch
+from tests.torch_features import needs_fsdp2_torch, needs_once_per_window_internals
 from tests.workers import ddp_workers
 
 # The Trainer workers fix the sample order with `train_sampling_strategy`, a transformers 5.x argument.
@@ -67,6 +67,7 @@ def test_trainer_fsdp1_is_refused_and_plain_fsdp2_accepted(tmp_path):
 
 
 @needs_fsdp2_torch
+@needs_once_per_window_internals
 def test_trainer_under_accelerate_fsdp2_matches_large_batch_and_resumes_bitwise(tmp_path):
     """GradAccumTrainer with Accelerate's FSDP2 plugin (fully_shard by Accelerate, gloo): the update equals the large
     batch with and without clipping on the global norm, and a resume from the sharded step-1 checkpoint ends bitwise

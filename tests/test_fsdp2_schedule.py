@@ -10,7 +10,7 @@ import torch
 
 from hf_gradaccum import GradientAccumulator
 from tests.test_fsdp2 import RTOL, spawn
-from tests.torch_features import needs_fsdp2_torch
+from tests.torch_features import needs_fsdp2_torch, needs_once_per_window_internals
 
 pytestmark = needs_fsdp2_torch
 
@@ -44,6 +44,7 @@ def check(record: dict) -> None:
     assert record["saved_mid_window_relative_update_error"] <= RTOL, record
 
 
+@needs_once_per_window_internals
 def test_once_per_window_two_processes_match_large_batch(tmp_path):
     record = run_schedule(2, tmp_path)
     check(record)

@@ -39,10 +39,10 @@ def check_transformers_version(version: str | None = None) -> str:
     '4.57.6'
     >>> check_transformers_version("4.55.4")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
-    UnsupportedVersionError: hf_gradaccum's Trainer adapters need transformers>=4.56.2; found 4.55.4. ...
+    UnsupportedVersionError: GradAccumTrainer needs transformers>=4.56.2; found 4.55.4. ...
     ```
     """
-    return check_version("transformers", "hf_gradaccum's Trainer adapters", version)
+    return check_version("transformers", "GradAccumTrainer", version)
 
 
 class MissingTransformersFeatureError(RuntimeError):
