@@ -16,7 +16,7 @@ from typing import Any
 
 import datasets
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from hf_gradaccum import GradAccumTrainer
 from tests.composition_cases import WORDS, flat_trainable, tiny_llama, word_tokenizer
@@ -82,7 +82,22 @@ class GRPOFirstGradAccum(RecordGenerations, GRPOTrainer, GradAccumTrainer):
 GRPO_ORDERS = {"gradaccum_first": GradAccumFirstGRPO, "grpo_first": GRPOFirstGradAccum}
 
 
-def grpo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, **overrides: Any) -> GRPOConfig:
+class StockRLOO(RecordGenerations, RLOOTrainer):
+    pass
+
+
+class GradAccumFirstRLOO(RecordGenerations, GradAccumTrainer, RLOOTrainer):
+    pass
+
+
+class RLOOFirstGradAccum(RecordGenerations, RLOOTrainer, GradAccumTrainer):
+    pass
+
+
+RLOO_ORDERS = {"gradaccum_first": GradAccumFirstRLOO, "rloo_first": RLOOFirstGradAccum}
+
+
+def _settings(ga: int, batch: int, spg: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
     settings = dict(
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=ga,
@@ -105,7 +120,17 @@ def grpo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, *
         seed=0,
     )
     settings.update(overrides)
-    return GRPOConfig(output_dir, **settings)
+    return settings
+
+
+def grpo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, **overrides: Any) -> GRPOConfig:
+    return GRPOConfig(output_dir, **_settings(ga, batch, spg, overrides))
+
+
+def rloo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, **overrides: Any) -> RLOOConfig:
+    # beta=0: with a KL term RLOO loads its reference model by the policy's name, which a model instance built here
+    # does not have.
+    return RLOOConfig(output_dir, **_settings(ga, batch, spg, {"beta": 0.0, **overrides}))
 
 
 @dataclass

@@ -14,12 +14,15 @@ pytest.importorskip("trl")
 
 from tests.grpo_cases import (  # noqa: E402
     GRPO_ORDERS,
+    RLOO_ORDERS,
     StockGRPO,
+    StockRLOO,
     assert_same_generations,
     completion_length,
     grpo_args,
     low_words,
     relative_difference,
+    rloo_args,
     train_grpo,
 )
 
@@ -95,17 +98,28 @@ def test_num_iterations_two(tmp_path, loss_type, level):
     _check_both_orders(tmp_path, loss_type=loss_type, importance_sampling_level=level, num_iterations=2, max_steps=2)
 
 
+def test_rloo_equals_the_large_batch(tmp_path):
+    # RLOO's loss is a mean over sequences, as GRPO's `grpo`.
+    reference = train_grpo(StockRLOO, rloo_args(str(tmp_path / "large"), ga=1, batch=B * K, spg=1))
+    for order, cls in RLOO_ORDERS.items():
+        run = train_grpo(cls, rloo_args(str(tmp_path / order), ga=K, batch=B))
+        assert_same_generations(run, reference)
+        error = relative_difference(run.update, reference.update)
+        assert error <= RTOL, f"{order}: relative update difference {error:.3g} > {RTOL}"
+
+
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
         ({"loss_type": "grpo", "entropy_coef": 0.1}, "entropy_coef=0"),
         ({"loss_type": "dr_grpo", "use_adaptive_entropy": True}, "entropy_coef=0"),
         ({"loss_type": "dapo", "top_entropy_quantile": 0.5}, "top_entropy_quantile=1.0"),
+        ({"loss_type": "dapo", "entropy_coef": 0.1, "spg": 2 * K}, "steps_per_generation"),
     ],
 )
 def test_refuses_what_cannot_be_exact_before_training(tmp_path, config, needle):
     for cls in GRPO_ORDERS.values():
-        args = grpo_args(str(tmp_path / "refused"), ga=K, batch=B, **config)
+        args = grpo_args(str(tmp_path / "refused"), ga=K, batch=B, **config)  # spg given or K
         with pytest.raises(ValueError) as error:
             train_grpo(cls, args)
         message = str(error.value)
@@ -127,7 +141,15 @@ def test_grpo_error_table(tmp_path):
             assert_same_generations(run, reference)
             errors.append(relative_difference(run.update, reference.update))
         rows.append((loss_type, *errors))
-    print("\n| loss_type | stock GA=3 | GradAccumTrainer first | GRPOTrainer first |")
+    reference = train_grpo(StockRLOO, rloo_args(str(tmp_path / "large"), ga=1, batch=B * K, spg=1))
+    stock = train_grpo(StockRLOO, rloo_args(str(tmp_path / "stock"), ga=K, batch=B))
+    errors = [relative_difference(stock.update, reference.update)]
+    for order, cls in RLOO_ORDERS.items():
+        run = train_grpo(cls, rloo_args(str(tmp_path / order), ga=K, batch=B))
+        assert_same_generations(run, reference)
+        errors.append(relative_difference(run.update, reference.update))
+    rows.append(("RLOO", *errors))
+    print("\n| loss_type | stock GA=3 | GradAccumTrainer first | GRPO/RLOO first |")
     for loss_type, *errors in rows:
         print(f"| {loss_type} | " + " | ".join(f"{e:.2g}" for e in errors) + " |")
     assert all(max(errors[1:]) <= RTOL for _, *errors in rows)

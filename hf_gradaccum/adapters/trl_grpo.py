@@ -12,7 +12,7 @@ about to see, how many items its loss is a mean over, and presents it to TRL's l
 | GRPO `dr_grpo` | sum over tokens / (sequences x `max_completion_length`) | sequences |
 | GRPO `luspo` | mean over sequences of each sequence's token sum | sequences |
 | GRPO `bnpo` | mean over the micro-batch's completion tokens | completion tokens |
-| GRPO `dapo`, `cispo`, `vespo` | token sum / `num_items_in_batch` rescaled to one micro-batch (see below) | completion tokens |
+| GRPO `dapo`, `cispo`, `vespo` | token sum / `num_items_in_batch` rescaled to one micro-batch (see below) | completion tokens (see below) |
 | RLOO | mean over sequences | sequences |
 
 Weighting micro-batch k by its items `n_k` and dividing by the window's items (all ranks) gives the mean over all
@@ -21,16 +21,24 @@ gradient_accumulation_steps` (x ranks). For `bnpo` that is the token mean over t
 under accumulation does not give (it averages per-micro-batch token means).
 
 `dapo`, `cispo` and `vespo` divide by `inputs["num_items_in_batch"]`, the completion tokens of the whole generation
-batch on all ranks, rescaled by `current_gradient_accumulation_steps / (steps_per_generation * num_processes)`. For
-the length of the loss computation the micro-batch's `num_items_in_batch` is set to `n_k x num_processes x
-steps_per_generation`, so that TRL's divisor is exactly `n_k`, the micro-batch's own tokens, and the loss is its token
-mean like `bnpo`'s. The entropy bonus is a token mean over the same tokens, so it is exact with the token-mean losses.
+batch on all ranks, rescaled by `current_gradient_accumulation_steps / (steps_per_generation * num_processes)`:
+
+- with `steps_per_generation == gradient_accumulation_steps` (TRL's default) the generation batch is the window, and
+  TRL's large batch is the token mean over the window. For the length of the loss computation the micro-batch's
+  `num_items_in_batch` is set to `n_k x num_processes x steps_per_generation`, so that TRL's divisor is exactly
+  `n_k`, the micro-batch's own tokens, and the loss is its token mean like `bnpo`'s. The entropy bonus is a token
+  mean over the same tokens, so it is exact too;
+- otherwise TRL divides every step of a generation batch by the same count, its tokens per step and rank
+  (`num_items_in_batch / (num_processes x steps_per_generation)`), and that is what each micro-batch's loss is a mean
+  over, so each is weighted by it. The entropy bonus (a mean over the micro-batch's own tokens) then needs a
+  different weight and is refused.
 
 Refused (a `ValueError` at construction, when `gradient_accumulation_steps > 1`), because no weighting of
 micro-batches reproduces them on the large batch:
 
-- the entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy`) with a per-sequence loss: its token mean and the
-  policy's sequence mean need different weights;
+- the entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy`) with a per-sequence loss, or with `dapo`,
+  `cispo`, `vespo` when `steps_per_generation != gradient_accumulation_steps`: its token mean and the policy's mean
+  need different weights;
 - `top_entropy_quantile < 1`: the entropy threshold is a quantile over the micro-batch's tokens;
 - an MoE router auxiliary loss (`router_aux_loss_coef != 0` on a model with `output_router_logits`): a statistic of
   the micro-batch's routing;
@@ -127,17 +135,24 @@ class GenerationBatchAccumulation:
             mask = mask * micro_batch["tool_mask"]
         return int(mask.sum().item())
 
-    def present(self, trainer: Any) -> tuple[int, dict[str, Any], Callable[[], None]]:
+    def present(self, trainer: Any) -> tuple[float, dict[str, Any], Callable[[], None]]:
         """
         Count the items of the micro-batch the loss is about to see and, for losses that divide by the generation
-        batch's `num_items_in_batch`, set it so that TRL's divisor is that count. Returns the count, the micro-batch
-        and a function that puts the micro-batch back as TRL left it (it is reused when `num_iterations > 1`).
+        batch's `num_items_in_batch`, present it as the module docstring says. Returns the count, the micro-batch and
+        a function that puts the micro-batch back as TRL left it (it is reused when `num_iterations > 1`).
         """
         micro_batch = self.micro_batch(trainer)
-        n = self.count(micro_batch)
         if not self.loss_items.rescales_num_items:
-            return n, micro_batch, lambda: None
+            return self.count(micro_batch), micro_batch, lambda: None
         original = micro_batch["num_items_in_batch"]
+        steps_per_generation = trainer.args.steps_per_generation
+        if steps_per_generation != trainer.args.gradient_accumulation_steps:
+            # TRL's own large batch divides every step of a generation batch by the same count, the generation
+            # batch's tokens per step and rank (with `current_gradient_accumulation_steps` 1 while the adapter runs
+            # a micro-batch, that is TRL's divisor as it stands): the micro-batch's loss is a mean over that many.
+            per_step = float(original.clamp(min=1.0)) / (trainer.accelerator.num_processes * steps_per_generation)
+            return per_step, micro_batch, lambda: None
+        n = self.count(micro_batch)
         # TRL divides by num_items_in_batch / num_processes * current_gradient_accumulation_steps (1 while the
         # adapter runs a micro-batch) / steps_per_generation; every factor is an integer, so the divisor is exactly n.
         scale = trainer.accelerator.num_processes * trainer.args.steps_per_generation
@@ -221,6 +236,20 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
             "the entropy bonus is a mean over completion tokens while this loss is a mean over sequences, so the two "
             "terms need different micro-batch weights",
             "Use a token-mean loss type ('bnpo', 'dapo', 'cispo', 'vespo') with the entropy bonus, or set "
+            "`entropy_coef=0` and `use_adaptive_entropy=False`.",
+        )
+    if (
+        getattr(trainer, "_entropy_bonus_enabled", False)
+        and loss_items.rescales_num_items
+        and args.steps_per_generation != args.gradient_accumulation_steps
+    ):
+        raise _refuse(
+            name,
+            loss_type,
+            "with `steps_per_generation != gradient_accumulation_steps` this loss divides by the generation batch's "
+            "tokens per step while the entropy bonus divides by the micro-batch's own tokens, so the two terms need "
+            "different micro-batch weights",
+            "Set `steps_per_generation` equal to `gradient_accumulation_steps`, use `loss_type='bnpo'`, or set "
             "`entropy_coef=0` and `use_adaptive_entropy=False`.",
         )
     return GenerationBatchAccumulation(name, loss_type, loss_items)
