@@ -138,6 +138,7 @@ class GRPORun:
     update: torch.Tensor  # trained minus initial trainable weights (float64)
     generations: list[dict[str, torch.Tensor]]
     trainer: Any
+    initial_state: dict[str, torch.Tensor]  # the model's weights before training
 
 
 def train_grpo(trainer_cls, args: GRPOConfig, reward_funcs=(completion_length,), **trainer_kwargs: Any) -> GRPORun:
@@ -151,8 +152,9 @@ def train_grpo(trainer_cls, args: GRPOConfig, reward_funcs=(completion_length,),
         **trainer_kwargs,
     )
     initial = flat_trainable(trainer.model)
+    initial_state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
-    return GRPORun(flat_trainable(trainer.model) - initial, trainer.recorded_generations, trainer)
+    return GRPORun(flat_trainable(trainer.model) - initial, trainer.recorded_generations, trainer, initial_state)
 
 
 def assert_same_generations(run: GRPORun, reference: GRPORun) -> None:
