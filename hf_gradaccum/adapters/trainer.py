@@ -112,7 +112,7 @@ class GradAccumTrainer(Trainer):
         # While the parent's training_step runs one micro-batch: for a generation batch (GRPO/RLOO), the items and the
         # micro-batch its loss saw, counted in `compute_loss_context_manager`.
         self._in_micro_step = False
-        self._pending_micro_batch: tuple[int, Any] | None = None
+        self._pending_micro_batch: tuple[float, Any] | None = None
         self._resume_state_path: str | None = None
         self._training = False  # inside `train()`
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
@@ -304,7 +304,7 @@ class GradAccumTrainer(Trainer):
 
     def _parent_training_step(
         self, model: nn.Module, accumulator: GradientAccumulator, inputs: Any, num_items: int | None
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, float]:
         """
         One micro-batch through the parent classes' own `training_step` (TRL's activation-offloading context, any
         context a subclass adds, then `Trainer.training_step`'s `_prepare_inputs`, forward and `compute_loss`, each
@@ -353,7 +353,7 @@ class GradAccumTrainer(Trainer):
 
             result.append(accumulator.accumulate_micro_batch(compute_loss, items))
 
-        counted: list[int] = []
+        counted: list[float] = []
 
         # The three attributes below are swapped for the duration of the parent's training_step only (see
         # docs/design.md, "Trainer state the adapter touches"): the parent's own `training_step` must run unchanged
