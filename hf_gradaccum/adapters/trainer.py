@@ -46,6 +46,7 @@ from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .training_checks import refuse_batch_level_losses
+from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
@@ -82,6 +83,9 @@ class GradAccumTrainer(Trainer):
         if gradaccum_option(self.args, "atomic_checkpoints"):
             require_private_names(self, ATOMIC_CHECKPOINT_PRIVATE_NAMES, "`atomic_checkpoints=True`")
         refuse_batch_level_losses(self)
+        # TRL's online RL trainers (GRPO, RLOO) hand over prompts and generate inside `_prepare_inputs`: their items
+        # are counted on the micro-batch their loss sees, per loss type (`adapters/trl_grpo.py`).
+        self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
         check_trainer_engine(self)
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
         # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that
@@ -105,6 +109,10 @@ class GradAccumTrainer(Trainer):
         self._window_items_local: float | None = None
         self._window_batches: list[dict[str, Any]] = []
         self._micro_index = 0
+        # While the parent's training_step runs one micro-batch: for a generation batch (GRPO/RLOO), the items and the
+        # micro-batch its loss saw, counted in `compute_loss_context_manager`.
+        self._in_micro_step = False
+        self._pending_micro_batch: tuple[float, Any] | None = None
         self._resume_state_path: str | None = None
         self._training = False  # inside `train()`
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
@@ -223,10 +231,13 @@ class GradAccumTrainer(Trainer):
         # Kept so that an out-of-memory error can redo the window from its first micro-batch.
         self._window_batches = batch_samples
         self._micro_index = 0
-        try:
-            self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
-        except (ValueError, TypeError, AttributeError):
-            self._window_items_local = None
+        self._window_items_local = None
+        if self._generation_accumulation is None:
+            # (Generation batches are prompts: their items are known only once the completions exist.)
+            try:
+                self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
+            except (ValueError, TypeError, AttributeError):
+                self._window_items_local = None
         if batch_samples and should_verify(self):
             self.verify_accumulation(batch_samples)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
@@ -283,29 +294,32 @@ class GradAccumTrainer(Trainer):
         """Forward + weighted backward of one micro-batch (in chunks after an OOM). Returns (mean loss, items)."""
         loss_sum, total_items = None, 0
         for chunk in self.oom_retry.chunks(inputs):
-            num_items = self.count_micro_batch_items(chunk)
-            loss = self._parent_training_step(model, accumulator, chunk, num_items)
+            # A generation batch's items are counted once its completions exist, just before its loss.
+            counted = None if self._generation_accumulation is not None else self.count_micro_batch_items(chunk)
+            loss, num_items = self._parent_training_step(model, accumulator, chunk, counted)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             total_items += num_items
         return (loss_sum / total_items if total_items else loss_sum), total_items
 
     def _parent_training_step(
-        self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any], num_items: int
-    ) -> torch.Tensor:
+        self, model: nn.Module, accumulator: GradientAccumulator, inputs: Any, num_items: int | None
+    ) -> tuple[torch.Tensor, float]:
         """
         One micro-batch through the parent classes' own `training_step` (TRL's activation-offloading context, any
-        context a subclass adds, then `Trainer.training_step`'s forward and `compute_loss`), with its
-        `accelerator.backward(loss)` routed into the accumulator. Returns the micro-batch's detached mean loss.
+        context a subclass adds, then `Trainer.training_step`'s `_prepare_inputs`, forward and `compute_loss`, each
+        once), with its `accelerator.backward(loss)` routed into the accumulator. Returns the micro-batch's detached
+        mean loss and its items (`num_items`, or for a generation batch, counted just before its loss).
 
         While it runs, the micro-batch is presented to `compute_loss` as a batch of its own: `num_items_in_batch`
         is its own item count and `current_gradient_accumulation_steps` is 1. A `compute_loss` that divides by
         either (TRL's SFTTrainer divides its MoE router loss by the accumulation steps) then returns this
         micro-batch's own loss, which the accumulator weights by its share of the window's items.
         """
-        inputs = self._prepare_inputs(inputs)
-        items_tensor = torch.tensor(num_items, device=self.args.device)
+        items_tensor = None if num_items is None else torch.tensor(num_items, device=self.args.device)
         result: list[torch.Tensor] = []
+        # Set by `compute_loss_context_manager` for a generation batch: (items, the micro-batch its loss saw).
+        self._pending_micro_batch = None
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             if result:
@@ -313,18 +327,33 @@ class GradAccumTrainer(Trainer):
                     f"{type(self).__name__}.training_step called `accelerator.backward` twice for one micro-batch; "
                     "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
                 )
+            items = num_items
+            if items is None:
+                if self._pending_micro_batch is None:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: the loss was computed outside `compute_loss_context_manager`, so "
+                        "GradAccumTrainer could not count the items of this generation batch's micro-batch."
+                    )
+                items = self._pending_micro_batch[0]
+            counted.append(items)
             first_attempt = [loss]
 
             def compute_loss() -> torch.Tensor:
                 if first_attempt:
                     return first_attempt.pop()
                 # fp16 overflow: recompute this micro-batch's forward at the backed-off scale, still inside the
-                # parent's training_step contexts.
+                # parent's training_step contexts, on the micro-batch its first forward saw (a generation batch's
+                # buffered completions, not new ones).
+                again_inputs = (
+                    self._prepare_inputs(inputs) if self._pending_micro_batch is None else self._pending_micro_batch[1]
+                )
                 with self.compute_loss_context_manager():
-                    again = self.compute_loss(model, inputs, num_items_in_batch=items_tensor)
+                    again = self.compute_loss(model, again_inputs, num_items_in_batch=items_tensor)
                 return again.mean() if self.args.n_gpu > 1 else again
 
-            result.append(accumulator.accumulate_micro_batch(compute_loss, num_items))
+            result.append(accumulator.accumulate_micro_batch(compute_loss, items))
+
+        counted: list[float] = []
 
         # The three attributes below are swapped for the duration of the parent's training_step only (see
         # docs/design.md, "Trainer state the adapter touches"): the parent's own `training_step` must run unchanged
@@ -339,9 +368,12 @@ class GradAccumTrainer(Trainer):
         try:
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
+            self._in_micro_step = True
             with accumulator.accumulate(model):
                 super().training_step(model, inputs, items_tensor)
         finally:
+            self._in_micro_step = False
+            self._pending_micro_batch = None
             self.args.average_tokens_across_devices = average_tokens
             if had_backward:
                 self.accelerator.backward = previous_backward
@@ -358,7 +390,22 @@ class GradAccumTrainer(Trainer):
                 "gradient. Compose GradAccumTrainer only with trainers whose training_step ends in "
                 "`Trainer.training_step` (SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
             )
-        return result[0]
+        return result[0], counted[0]
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """
+        The parent's context around `compute_loss`. `Trainer.training_step` enters it after `_prepare_inputs`, so for
+        a composed GRPO/RLOO trainer it is where the micro-batch that the loss will see exists (generated and
+        buffered by the parent): its items are counted there, and it is presented as a batch of its own for the
+        length of the loss (`adapters/trl_grpo.py`).
+        """
+        stack = super().compute_loss_context_manager()
+        rule = getattr(self, "_generation_accumulation", None)
+        if rule is not None and getattr(self, "_in_micro_step", False):
+            items, micro_batch, restore = rule.present(self)
+            self._pending_micro_batch = (items, micro_batch)
+            stack.callback(restore)
+        return stack
 
     # ------------------------------------------------------------------ out-of-memory retry (auto_find_batch_size)
     @property

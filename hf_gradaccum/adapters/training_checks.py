@@ -91,7 +91,16 @@ BATCH_LEVEL_LOSS_TYPES = {
         "sft": "a token mean over the micro-batch's chosen completions",
         "aot": "sorts the log-ratios across the micro-batch",
         "aot_unpaired": "sorts the log-ratios across the micro-batch",
-    }
+    },
+    "KTOTrainer": {
+        "kto": "its KL baseline is estimated from the micro-batch's own mismatched (prompt, completion) pairs, built "
+        "by rotating completions within each batch of `per_device_train_batch_size`",
+    },
+}
+# What to use instead, per trainer class name (both keep the large-batch update exact under accumulation).
+BATCH_LEVEL_LOSS_FIXES = {
+    "DPOTrainer": "Use per-pair loss types (e.g. 'sigmoid')",
+    "KTOTrainer": "Use `loss_type='apo_zero_unpaired'` (no KL term)",
 }
 
 
@@ -113,6 +122,6 @@ def refuse_batch_level_losses(trainer: Any) -> None:
             why = "; ".join(f"'{t}' {refused[t]}" for t in bad)
             raise ValueError(
                 f"`loss_type={loss_types}` cannot be accumulated exactly with {cls.__name__}: {why}, so no weighting of "
-                "micro-batches equals the large-batch loss. Use per-pair loss types (e.g. 'sigmoid'), or "
+                f"micro-batches equals the large-batch loss. {BATCH_LEVEL_LOSS_FIXES[cls.__name__]}, or "
                 "`gradient_accumulation_steps=1` with the batch you want."
             )

@@ -70,9 +70,10 @@ class WindowOOMRetry:
         self._shrink = shrink or halve_chunk_size
         self._on_shrink = on_shrink
 
-    def chunks(self, inputs: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """`inputs` as one chunk, or split into chunks of `chunk_size` rows after an out-of-memory error."""
-        return [dict(inputs)] if self.chunk_size is None else split_micro_batch(inputs, self.chunk_size)
+    def chunks(self, inputs: Any) -> list[Any]:
+        """`inputs` as one chunk, untouched (whatever its type: a trainer may hand over a list of prompt rows), or,
+        after an out-of-memory error, a mapping of batched tensors split into chunks of `chunk_size` rows."""
+        return [inputs] if self.chunk_size is None else split_micro_batch(inputs, self.chunk_size)
 
     def reset(self) -> None:
         """Forget the shrunken chunk size (e.g. when the whole loop restarts at a smaller batch)."""

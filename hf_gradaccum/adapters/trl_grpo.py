@@ -1,0 +1,255 @@
+"""What each loss of TRL's online RL trainers (`GRPOTrainer`, `RLOOTrainer`) averages over, so that their micro-batches
+can be weighted like one large batch.
+
+These trainers hand `training_step` a *generation batch* (a list of prompt rows) and their own `_prepare_inputs`
+generates completions for `steps_per_generation` micro-batches at once, buffers them, and returns one buffered
+micro-batch per call. The adapter lets that run untouched; this module only says, for the micro-batch the loss is
+about to see, how many items its loss is a mean over, and presents it to TRL's loss as a batch of its own:
+
+| trainer, `loss_type` | TRL's loss on one micro-batch (with `current_gradient_accumulation_steps=1`) | items |
+|---|---|---|
+| GRPO `grpo`, `sapo` | mean over sequences of each sequence's token mean | sequences |
+| GRPO `dr_grpo` | sum over tokens / (sequences x `max_completion_length`) | sequences |
+| GRPO `luspo` | mean over sequences of each sequence's token sum | sequences |
+| GRPO `bnpo` | mean over the micro-batch's completion tokens | completion tokens |
+| GRPO `dapo`, `cispo`, `vespo` | token sum / `num_items_in_batch` rescaled to one micro-batch (see below) | completion tokens (see below) |
+| RLOO | mean over sequences | sequences |
+
+Weighting micro-batch k by its items `n_k` and dividing by the window's items (all ranks) gives the mean over all
+of the window's sequences (or tokens): the loss of one batch of `per_device_train_batch_size x
+gradient_accumulation_steps` (x ranks). For `bnpo` that is the token mean over the whole batch, which stock TRL
+under accumulation does not give (it averages per-micro-batch token means).
+
+`dapo`, `cispo` and `vespo` divide by `inputs["num_items_in_batch"]`, the completion tokens of the whole generation
+batch on all ranks, rescaled by `current_gradient_accumulation_steps / (steps_per_generation * num_processes)`:
+
+- with `steps_per_generation == gradient_accumulation_steps` (TRL's default) the generation batch is the window, and
+  TRL's large batch is the token mean over the window. For the length of the loss computation the micro-batch's
+  `num_items_in_batch` is set to `n_k x num_processes x steps_per_generation`, so that TRL's divisor is exactly
+  `n_k`, the micro-batch's own tokens, and the loss is its token mean like `bnpo`'s. The entropy bonus is a token
+  mean over the same tokens, so it is exact too;
+- otherwise TRL divides every step of a generation batch by the same count, its tokens per step and rank
+  (`num_items_in_batch / (num_processes x steps_per_generation)`), and that is what each micro-batch's loss is a mean
+  over, so each is weighted by it. The entropy bonus (a mean over the micro-batch's own tokens) then needs a
+  different weight and is refused.
+
+Refused (a `ValueError` at construction, when `gradient_accumulation_steps > 1`), because no weighting of
+micro-batches reproduces them on the large batch:
+
+- the entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy`) with a per-sequence loss, or with `dapo`,
+  `cispo`, `vespo` when `steps_per_generation != gradient_accumulation_steps`: its token mean and the policy's mean
+  need different weights;
+- `top_entropy_quantile < 1`: the entropy threshold is a quantile over the micro-batch's tokens;
+- an MoE router auxiliary loss (`router_aux_loss_coef != 0` on a model with `output_router_logits`): a statistic of
+  the micro-batch's routing;
+- `auto_find_batch_size=True`: an out-of-memory redo of the window would generate again;
+- `verify_accumulation` other than `"off"`: the split-invariance probe needs model-ready micro-batches, and these
+  trainers hand over prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .arguments import gradaccum_option
+
+SEQUENCES = "sequences"
+COMPLETION_TOKENS = "completion tokens"
+
+
+@dataclass(frozen=True)
+class LossItems:
+    """What one loss type's mean over a micro-batch divides by.
+
+    Args:
+        items (`str`): `"sequences"` or `"completion tokens"`.
+        rescales_num_items (`bool`): the loss divides by `inputs["num_items_in_batch"]` (tokens of the generation
+            batch), which has to be presented as the micro-batch's own token count.
+    """
+
+    items: str
+    rescales_num_items: bool = False
+
+
+# (trainer class name, loss_type) -> what that loss averages over. `None` as loss type: the trainer has one loss.
+LOSS_ITEMS: dict[tuple[str, str | None], LossItems] = {
+    ("GRPOTrainer", "grpo"): LossItems(SEQUENCES),
+    ("GRPOTrainer", "sapo"): LossItems(SEQUENCES),
+    ("GRPOTrainer", "dr_grpo"): LossItems(SEQUENCES),
+    ("GRPOTrainer", "luspo"): LossItems(SEQUENCES),
+    ("GRPOTrainer", "bnpo"): LossItems(COMPLETION_TOKENS),
+    ("GRPOTrainer", "dapo"): LossItems(COMPLETION_TOKENS, rescales_num_items=True),
+    ("GRPOTrainer", "cispo"): LossItems(COMPLETION_TOKENS, rescales_num_items=True),
+    ("GRPOTrainer", "vespo"): LossItems(COMPLETION_TOKENS, rescales_num_items=True),
+    ("RLOOTrainer", None): LossItems(SEQUENCES),
+}
+
+GENERATION_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+
+
+class GenerationBatchAccumulation:
+    """
+    Item weighting for one composed GRPO/RLOO trainer: which buffered micro-batch the loss sees, how many items its
+    loss averages over, and how it is presented to TRL's loss. Built by [`generation_accumulation_for`].
+
+    Args:
+        trainer_name (`str`): `"GRPOTrainer"` or `"RLOOTrainer"`.
+        loss_type (`str` or `None`): the trainer's `loss_type` (`None` for RLOO).
+        loss_items ([`LossItems`]): what that loss averages over.
+    """
+
+    def __init__(self, trainer_name: str, loss_type: str | None, loss_items: LossItems) -> None:
+        self.trainer_name = trainer_name
+        self.loss_type = loss_type
+        self.loss_items = loss_items
+
+    def __repr__(self) -> str:
+        return f"GenerationBatchAccumulation({self.trainer_name}, loss_type={self.loss_type!r}, items={self.items!r})"
+
+    @property
+    def items(self) -> str:
+        return self.loss_items.items
+
+    def micro_batch(self, trainer: Any) -> dict[str, Any]:
+        """The buffered micro-batch that the trainer's loss computes on now (between its `_prepare_inputs` and its
+        `compute_loss`; TRL advances `_step` after its `training_step` returns)."""
+        buffered = getattr(trainer, "_buffered_inputs", None)
+        if buffered is None or not hasattr(trainer, "_step"):
+            raise RuntimeError(
+                f"GradAccumTrainer could not find {self.trainer_name}'s buffered micro-batches (`_buffered_inputs`, "
+                "`_step`) to count the items of the loss. This TRL release changed how it buffers generations; "
+                "composition with it is not supported (tested with trl==1.16)."
+            )
+        return buffered[trainer._step % trainer.args.steps_per_generation]
+
+    def count(self, micro_batch: dict[str, Any]) -> int:
+        """Items of `micro_batch` that its loss averages over (see the module table)."""
+        if self.items == SEQUENCES:
+            return int(micro_batch["completion_ids"].shape[0])
+        mask = micro_batch["completion_mask"]
+        if "tool_mask" in micro_batch:
+            mask = mask * micro_batch["tool_mask"]
+        return int(mask.sum().item())
+
+    def present(self, trainer: Any) -> tuple[float, dict[str, Any], Callable[[], None]]:
+        """
+        Count the items of the micro-batch the loss is about to see and, for losses that divide by the generation
+        batch's `num_items_in_batch`, present it as the module docstring says. Returns the count, the micro-batch and
+        a function that puts the micro-batch back as TRL left it (it is reused when `num_iterations > 1`).
+        """
+        micro_batch = self.micro_batch(trainer)
+        if not self.loss_items.rescales_num_items:
+            return self.count(micro_batch), micro_batch, lambda: None
+        original = micro_batch["num_items_in_batch"]
+        steps_per_generation = trainer.args.steps_per_generation
+        if steps_per_generation != trainer.args.gradient_accumulation_steps:
+            # TRL's own large batch divides every step of a generation batch by the same count, the generation
+            # batch's tokens per step and rank (with `current_gradient_accumulation_steps` 1 while the adapter runs
+            # a micro-batch, that is TRL's divisor as it stands): the micro-batch's loss is a mean over that many.
+            per_step = float(original.clamp(min=1.0)) / (trainer.accelerator.num_processes * steps_per_generation)
+            return per_step, micro_batch, lambda: None
+        n = self.count(micro_batch)
+        # TRL divides by num_items_in_batch / num_processes * current_gradient_accumulation_steps (1 while the
+        # adapter runs a micro-batch) / steps_per_generation; every factor is an integer, so the divisor is exactly n.
+        scale = trainer.accelerator.num_processes * trainer.args.steps_per_generation
+        micro_batch["num_items_in_batch"] = torch.as_tensor(float(n * scale), device=original.device)
+
+        def restore() -> None:
+            micro_batch["num_items_in_batch"] = original
+
+        return n, micro_batch, restore
+
+
+def _generation_trainer_name(trainer: Any) -> str | None:
+    for cls in type(trainer).__mro__:
+        if cls.__name__ in GENERATION_TRAINERS:
+            return cls.__name__
+    return None
+
+
+def _refuse(trainer_name: str, loss_type: str | None, why: str, fix: str) -> ValueError:
+    loss = f" with `loss_type={loss_type!r}`" if loss_type else ""
+    return ValueError(
+        f"GradAccumTrainer cannot make {trainer_name}{loss} exact under gradient accumulation: {why}. {fix}"
+    )
+
+
+def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | None:
+    """
+    The [`GenerationBatchAccumulation`] of a trainer composed with TRL's `GRPOTrainer` or `RLOOTrainer`; `None` for
+    any other trainer. Raises a `ValueError` naming the trainer, the loss type and the fix for a configuration whose
+    loss no weighting of micro-batches can reproduce on the large batch (see the module docstring).
+    """
+    name = _generation_trainer_name(trainer)
+    if name is None:
+        return None
+    args = trainer.args
+    loss_type = getattr(args, "loss_type", None) if name == "GRPOTrainer" else None
+    loss_items = LOSS_ITEMS.get((name, loss_type))
+    if loss_items is None:
+        raise _refuse(
+            name,
+            loss_type,
+            "this loss type is not in GradAccumTrainer's table of what each loss averages over",
+            "Use one of " + ", ".join(repr(t) for (n, t) in LOSS_ITEMS if n == name) + ".",
+        )
+    if args.auto_find_batch_size:
+        raise _refuse(
+            name,
+            loss_type,
+            "`auto_find_batch_size=True` redoes a window after an out-of-memory error, which would generate new "
+            "completions mid-window",
+            "Set `auto_find_batch_size=False` and choose `per_device_train_batch_size` yourself.",
+        )
+    if gradaccum_option(args, "verify_accumulation") != "off":
+        raise _refuse(
+            name,
+            loss_type,
+            "the split-invariance check needs model-ready micro-batches and this trainer hands over prompts",
+            "Set `verify_accumulation='off'`; this loss type's weighting is known exact (hf_gradaccum/adapters/trl_grpo.py).",
+        )
+    if args.gradient_accumulation_steps == 1:
+        return GenerationBatchAccumulation(name, loss_type, loss_items)
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise _refuse(
+            name,
+            loss_type,
+            "the MoE router auxiliary loss is a statistic of each micro-batch's routing, not a mean over its items",
+            "Set `router_aux_loss_coef=0`, or `gradient_accumulation_steps=1` with the batch you want.",
+        )
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        raise _refuse(
+            name,
+            loss_type,
+            "`top_entropy_quantile < 1` keeps the tokens above a quantile of each micro-batch's entropies, a "
+            "statistic of the micro-batch",
+            "Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` with the batch you want.",
+        )
+    if getattr(trainer, "_entropy_bonus_enabled", False) and loss_items.items != COMPLETION_TOKENS:
+        raise _refuse(
+            name,
+            loss_type,
+            "the entropy bonus is a mean over completion tokens while this loss is a mean over sequences, so the two "
+            "terms need different micro-batch weights",
+            "Use a token-mean loss type ('bnpo', 'dapo', 'cispo', 'vespo') with the entropy bonus, or set "
+            "`entropy_coef=0` and `use_adaptive_entropy=False`.",
+        )
+    if (
+        getattr(trainer, "_entropy_bonus_enabled", False)
+        and loss_items.rescales_num_items
+        and args.steps_per_generation != args.gradient_accumulation_steps
+    ):
+        raise _refuse(
+            name,
+            loss_type,
+            "with `steps_per_generation != gradient_accumulation_steps` this loss divides by the generation batch's "
+            "tokens per step while the entropy bonus divides by the micro-batch's own tokens, so the two terms need "
+            "different micro-batch weights",
+            "Set `steps_per_generation` equal to `gradient_accumulation_steps`, use `loss_type='bnpo'`, or set "
+            "`entropy_coef=0` and `use_adaptive_entropy=False`.",
+        )
+    return GenerationBatchAccumulation(name, loss_type, loss_items)
