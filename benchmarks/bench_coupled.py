@@ -9,7 +9,9 @@ Model: a random-init BERT encoder (4 layers, hidden 256, 4 heads), multiple-nega
 - `coupled`:     `--steps` micro-batches, `CoupledLoss` (pass 1 without graph, pass 2 with), exact;
 - `plain`:       `--steps` micro-batches, plain item-weighted accumulation (not the same objective).
 
-Memory: peak RSS of the process minus its RSS before the first step (`ru_maxrss`, CPU), or the CUDA peak.
+Memory: peak RSS of the process minus its RSS before the first step (`ru_maxrss`, CPU), or the CUDA peak. Time: the
+median step after one warm-up step, wall clock and process CPU time (steadier on a shared machine; with `--threads 1`
+it is the compute itself).
 
     python benchmarks/bench_coupled.py --batch 64 --steps 8 --repeats 3
 """
@@ -88,19 +90,25 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
         base = torch.cuda.memory_allocated() / 2**20
     else:
         base = rss_mib()
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.repeats + 1):  # the first step warms up (allocations, optimizer state)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20 - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    timed = times[1:]
-    return {"mode": mode, "peak_mib_above_start": peak, "seconds_per_step": sorted(timed)[len(timed) // 2]}
+    timed, cpu = sorted(times[1:]), sorted(cpu_times[1:])
+    return {
+        "mode": mode,
+        "peak_mib_above_start": peak,
+        "seconds_per_step": timed[len(timed) // 2],
+        "cpu_seconds_per_step": cpu[len(cpu) // 2],
+    }
 
 
 def main() -> None:
@@ -124,9 +132,17 @@ def main() -> None:
         out = subprocess.run([sys.executable, *sys.argv, "--only", mode], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"batch {args.batch} = {args.batch // args.steps} x {args.steps}, seq_len {args.seq_len}, {args.device}")
-    print("| mode | peak MiB above start | s / step (median) |\n|---|---:|---:|")
+    plain = next((r for r in rows if r["mode"] == "plain"), None)
+    print(
+        "| mode | peak MiB above start | s / step (median) | CPU s / step (median) | CPU time vs plain |\n"
+        "|---|---:|---:|---:|---:|"
+    )
     for r in rows:
-        print(f"| {r['mode']} | {r['peak_mib_above_start']:,.0f} | {r['seconds_per_step']:.2f} |")
+        ratio = f"{r['cpu_seconds_per_step'] / plain['cpu_seconds_per_step']:.2f}" if plain else "-"
+        print(
+            f"| {r['mode']} | {r['peak_mib_above_start']:,.0f} | {r['seconds_per_step']:.2f} | "
+            f"{r['cpu_seconds_per_step']:.2f} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":

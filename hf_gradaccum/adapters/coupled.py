@@ -185,6 +185,9 @@ class CoupledLossTrainer(GradAccumTrainer):
                 "a micro-batch into chunks, whose recomputed representations would draw other dropout masks than "
                 "pass 1. Choose a micro-batch that fits (the window's representations are the only extra memory)."
             )
+        self._init_coupled_state(coupled_loss)
+
+    def _init_coupled_state(self, coupled_loss: CoupledLoss) -> None:
         self.coupled_loss = coupled_loss
         self._coupled_batches: list[Any] = []
         self._coupled_index = 0

@@ -121,6 +121,14 @@ class GradAccumTrainer(Trainer):
         if gradaccum_option(self.args, "take_back_skipped_steps"):
             self.add_callback(SkippedStepCallback(self._last_window_applied))
         apply_batch_policies(self)
+        self._route_composed_losses()
+
+    def _route_composed_losses(self) -> None:
+        """Composed with a trainer whose losses couple the batch (sentence-transformers'), route them to a mode that
+        accumulates them exactly; see `adapters/sentence_transformers.py`."""
+        from .sentence_transformers import route_sentence_transformers  # imports this module
+
+        route_sentence_transformers(self)
 
     # ------------------------------------------------------------------ accumulator
     def _last_window_applied(self) -> bool:

@@ -8,7 +8,8 @@ the memory of one micro-batch plus the window's representations:
 
 1. **Pass 1** (no autograd graph): each micro-batch's representations `r_k = embed_fn(model, batch_k)`. The RNG
    states (torch CPU and CUDA, numpy, Python `random`) are saved before each micro-batch, so that dropout and any
-   random layer can draw the same values again in pass 2.
+   random layer can draw the same values again in pass 2. Micro-batch 0 is the exception (`keep_first_graph`): its
+   forward keeps its graph, because its pass 2 comes right after the window loss and can use it as it is.
 2. **The window loss**: `L = loss_fn(R, model)` on the representations of the whole window (under `torch.distributed`, of
    every rank: they are all-gathered, as the large batch over all ranks would see them), with `R` detached leaves;
    autograd gives `g_k = dL/dr_k` and the gradient of any parameter the loss uses itself (CLIP's `logit_scale`).
@@ -31,6 +32,7 @@ caller can redo the window with smaller micro-batches (exact again: both passes 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -171,6 +173,10 @@ class CoupledWindow:
     world_size: int
     rng_after: RNGState
     recompute_max_abs_diff: list[float] = field(default_factory=list)
+    first_graph: list[torch.Tensor] | None = None
+    rebuild: Callable[[list], Any] | None = None
+    """Micro-batch 0's pass-1 representations with their autograd graph (`keep_first_graph`): pass 2 uses them once
+    instead of recomputing them, then drops them."""
 
 
 class CoupledLoss:
@@ -202,6 +208,11 @@ class CoupledLoss:
         check_recompute (`bool`, *optional*, defaults to `False`):
             Compare each micro-batch's pass-2 representations with pass 1 and raise if they are not bitwise equal
             (a random layer drawing from a generator that is not restored, or non-deterministic kernels).
+        keep_first_graph (`bool`, *optional*, defaults to `True`):
+            Run micro-batch 0's pass-1 forward with autograd and keep its graph for its pass 2, which then needs no
+            recompute: one forward fewer per window. Pass 2 of micro-batch 0 comes right after the window loss (in
+            a Trainer and in [`~CoupledLoss.accumulate_window`] alike), so that graph is never held together with
+            another micro-batch's; what it adds to the peak is the no-graph forwards of the other micro-batches.
 
     Example (a plain loop; in-batch negatives over the whole window of 8 samples, 4 per micro-batch):
 
@@ -235,6 +246,7 @@ class CoupledLoss:
         num_items_fn: Callable[[Any], float] | None = None,
         gather_across_ranks: bool | None = None,
         check_recompute: bool = False,
+        keep_first_graph: bool = True,
     ) -> None:
         for name, fn in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -250,6 +262,7 @@ class CoupledLoss:
         self.num_items_fn = num_items_fn or rows_in
         self.gather_across_ranks = gather_across_ranks
         self.check_recompute = bool(check_recompute)
+        self.keep_first_graph = bool(keep_first_graph)
         self.last_window: CoupledWindow | None = None
 
     # ------------------------------------------------------------------ pass 1 and the window loss
@@ -274,16 +287,25 @@ class CoupledLoss:
         if parameters is None:
             parameters = [p for p in model.parameters() if p.requires_grad]
         world, rank = self._world()
-        rng_states, local_reps, num_items, rebuild = [], [], [], None
-        with torch.no_grad():
-            for batch in micro_batches:
-                n = float(self.num_items_fn(batch))
-                if not n > 0:
-                    raise ValueError(f"Every micro-batch of a coupled window needs items > 0, got {n}.")
-                num_items.append(n)
-                rng_states.append(capture_rng_state())
-                leaves, rebuild = flatten_representations(self.embed_fn(model, batch))
-                local_reps.append([t.detach() for t in leaves])
+        rng_states, local_reps, num_items, rebuild, first_graph = [], [], [], None, None
+        keep_first = self.keep_first_graph and torch.is_grad_enabled()
+        for index, batch in enumerate(micro_batches):
+            n = float(self.num_items_fn(batch))
+            if not n > 0:
+                raise ValueError(f"Every micro-batch of a coupled window needs items > 0, got {n}.")
+            num_items.append(n)
+            rng_states.append(capture_rng_state())
+            if index == 0 and keep_first:
+                # Its backward comes later, inside the accumulator's no-sync context: a DDP forward must already be
+                # in one, or DDP would prepare an all-reduce of its own for that backward.
+                no_sync = getattr(model, "no_sync", None)
+                with no_sync() if callable(no_sync) else contextlib.nullcontext():
+                    leaves, rebuild = flatten_representations(self.embed_fn(model, batch))
+                first_graph = leaves
+            else:
+                with torch.no_grad():
+                    leaves, rebuild = flatten_representations(self.embed_fn(model, batch))
+            local_reps.append([t.detach() for t in leaves])
         rng_after = capture_rng_state()
 
         # The window: this rank's micro-batches in order, then (distributed) every rank's, in rank order.
@@ -341,6 +363,8 @@ class CoupledLoss:
             loss_parameter_grads=loss_parameter_grads,
             world_size=world,
             rng_after=rng_after,
+            first_graph=first_graph,
+            rebuild=rebuild,
         )
 
     # ------------------------------------------------------------------ pass 2
@@ -351,9 +375,14 @@ class CoupledLoss:
         window loss (plus `item_loss_fn`'s term), its gradient after the accumulator's weighting is `J_k^T g_k`.
         Safe to call again for the same micro-batch (fp16 overflow recompute): the RNG states are restored each time.
         """
-        restore_rng_state(window.rng_states[index])
-        reps = self.embed_fn(model, micro_batch)
-        leaves, _ = flatten_representations(reps)
+        if index == 0 and window.first_graph is not None:
+            # Pass 1 kept this graph: used once (an fp16 overflow recompute of this micro-batch runs the forward).
+            leaves, window.first_graph = window.first_graph, None
+            reps = window.rebuild(leaves) if window.rebuild is not None else leaves
+        else:
+            restore_rng_state(window.rng_states[index])
+            reps = self.embed_fn(model, micro_batch)
+            leaves, _ = flatten_representations(reps)
         if self.check_recompute:
             self._compare(window, index, leaves)
         n = window.num_items[index]
@@ -394,6 +423,7 @@ class CoupledLoss:
 
     def finish_passes(self, window: CoupledWindow) -> None:
         """Leave the RNG where one pass over the window would have left it (after pass 1)."""
+        window.first_graph = None
         restore_rng_state(window.rng_after)
 
     # ------------------------------------------------------------------ the whole window, plain loop

@@ -1,0 +1,177 @@
+"""`GradAccumTrainer` composed with sentence-transformers' `SentenceTransformerTrainer`, in both class orders: one SGD
+step (lr 1, fp32, no clipping) at GA = K = 3, b = 4 equals the stock trainer's step on one batch of b x K = 12 of the
+same rows in the same order (sequential batch sampler), relative update difference <= 1e-5, for the in-batch losses
+(MultipleNegativesRankingLoss, the symmetric variant, GISTEmbedLoss) and a score loss that compares all pairs
+(CoSENT); the stock trainer at GA = K is far from it (>= 1e-2). Cached losses are refused, and a loss that couples
+the batch but is not known stops before the first optimizer step. Real sentence-transformers and tiny random-init
+BERT models (tests/st_cases.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+
+from sentence_transformers import SentenceTransformerTrainer, losses  # noqa: E402
+from sentence_transformers.util import dot_score  # noqa: E402
+
+from hf_gradaccum import GradAccumTrainer  # noqa: E402
+from hf_gradaccum.adapters.sentence_transformers import (  # noqa: E402
+    SentenceTransformersLossError,
+    register_sentence_transformers_loss,
+    sentence_transformers_route,
+)
+from tests.st_cases import B, K, flat, one_step, pairs, relative_difference, tiny_sentence_transformer  # noqa: E402
+
+TOL = 1e-5
+
+
+class GradAccumFirst(GradAccumTrainer, SentenceTransformerTrainer):
+    pass
+
+
+class SentenceTransformerFirst(SentenceTransformerTrainer, GradAccumTrainer):
+    pass
+
+
+def _symmetric(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return losses.MultipleNegativesSymmetricRankingLoss(model, scale=10.0)
+
+
+def _gist(model, tmp_path):
+    guide = tiny_sentence_transformer(tmp_path, seed=7)
+    return losses.GISTEmbedLoss(model, guide, temperature=0.05, margin=-0.05)
+
+
+LOSSES = {
+    "mnrl": lambda model, tmp: losses.MultipleNegativesRankingLoss(model),
+    "mnrl_dot_gte": lambda model, tmp: losses.MultipleNegativesRankingLoss(
+        model,
+        scale=1.0,
+        similarity_fct=dot_score,
+        directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+    ),
+    "symmetric": lambda model, tmp: _symmetric(model),
+    "gist": _gist,
+    "cosent": lambda model, tmp: losses.CoSENTLoss(model),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Stock trainer, per loss: the update of one batch of b x K, and the update at GA = K."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            data = pairs(B * K, labels=name == "cosent")
+            large, _ = one_step(SentenceTransformerTrainer, tmp, lambda m: LOSSES[name](m, tmp), B * K, 1, data)
+            stock, _ = one_step(SentenceTransformerTrainer, tmp, lambda m: LOSSES[name](m, tmp), B, K, data)
+            cache[name] = (large, stock, tmp, data)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "trainer_cls", [GradAccumFirst, SentenceTransformerFirst], ids=["gradaccum_first", "st_first"]
+)
+@pytest.mark.parametrize("name", ["mnrl", "symmetric", "gist", "cosent", "mnrl_dot_gte"])
+def test_composed_trainer_equals_the_large_batch(references, name, trainer_cls):
+    large, stock, tmp, data = references(name)
+    ours, trainer = one_step(trainer_cls, tmp, lambda m: LOSSES[name](m, tmp), B, K, data)
+    assert trainer._st_route == "coupled"
+    assert relative_difference(ours, large) <= TOL
+    # The stock trainer at GA = K trains another objective (each micro-batch's own negatives/pairs).
+    assert relative_difference(stock, large) >= 1e-2
+
+
+def test_nothing_is_routed_at_one_accumulation_step(tmp_path):
+    data = pairs(B * K)
+    mnrl = LOSSES["mnrl"]
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path, lambda m: mnrl(m, tmp_path), B * K, 1, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path, lambda m: mnrl(m, tmp_path), B * K, 1, data)
+    assert trainer._st_route == "plain"
+    assert relative_difference(ours, large) <= TOL
+
+
+def test_cached_loss_is_refused_before_any_step(tmp_path):
+    model = tiny_sentence_transformer(tmp_path)
+    before = flat(model)
+    from tests.st_cases import st_args
+
+    trainer = GradAccumFirst(
+        model=model,
+        args=st_args(tmp_path, B, K),
+        train_dataset=pairs(B * K),
+        loss=losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2),
+    )
+    with pytest.raises(SentenceTransformersLossError, match="CachedMultipleNegativesRankingLoss") as error:
+        trainer.train()
+    assert "GradAccumFirst" in str(error.value) and "use MultipleNegativesRankingLoss" in str(error.value)
+    assert torch.equal(flat(model), before)
+
+
+class InBatchCentredLoss(torch.nn.Module):
+    """A loss the router does not know that couples the batch: each embedding is centred on the batch mean."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, features, labels):
+        anchors, positives = (self.model(f)["sentence_embedding"] for f in features)
+        centred = anchors - anchors.mean(0, keepdim=True)
+        return (centred - positives).pow(2).sum(-1).mean()
+
+
+class RowLoss(InBatchCentredLoss):
+    """A loss the router does not know that is a mean over independent rows."""
+
+    def forward(self, features, labels):
+        anchors, positives = (self.model(f)["sentence_embedding"] for f in features)
+        return (anchors - positives).pow(2).sum(-1).mean()
+
+
+@pytest.mark.parametrize(
+    "trainer_cls", [GradAccumFirst, SentenceTransformerFirst], ids=["gradaccum_first", "st_first"]
+)
+def test_unknown_coupling_loss_stops_before_the_first_step(tmp_path, trainer_cls):
+    model = tiny_sentence_transformer(tmp_path)
+    before = flat(model)
+    from tests.st_cases import st_args
+
+    trainer = trainer_cls(
+        model=model, args=st_args(tmp_path, B, K), train_dataset=pairs(B * K), loss=InBatchCentredLoss(model)
+    )
+    with pytest.raises(SentenceTransformersLossError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert trainer_cls.__name__ in message and "InBatchCentredLoss" in message
+    assert "NOT exact" in message and "register_sentence_transformers_loss" in message
+    assert torch.equal(flat(model), before)
+
+
+def test_unknown_row_loss_passes_the_check_and_is_exact(tmp_path):
+    data = pairs(B * K)
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path, RowLoss, B * K, 1, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path, RowLoss, B, K, data)
+    assert trainer._st_route == "checked"
+    assert relative_difference(ours, large) <= TOL
+
+
+def test_registered_loss_takes_its_route():
+    class Declared(RowLoss):
+        pass
+
+    register_sentence_transformers_loss(Declared, "item_mean")
+    assert sentence_transformers_route(Declared(None))[0] == "item_mean"
+    assert sentence_transformers_route(InBatchCentredLoss(None))[0] == "checked"
+    with pytest.raises(ValueError, match="compute_loss_from_embeddings"):
+        register_sentence_transformers_loss(Declared, "coupled")
