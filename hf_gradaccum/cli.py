@@ -1,7 +1,9 @@
-"""`hf-gradaccum env` (what this install found), `hf-gradaccum test` (is accumulation exact on this device, in each
+"""`hf-gradaccum env` (what this install found), `hf-gradaccum compositions` (how each composed trainer and loss
+accumulates), `hf-gradaccum test` (is accumulation exact on this device, in each
 precision it supports?) and `hf-gradaccum verify` (is it exact for a model you name? Offline by default).
 
     hf-gradaccum env
+    hf-gradaccum compositions
     hf-gradaccum test --device cuda --precision fp32,bf16,fp16 --full
 
     hf-gradaccum verify --model bert-base-uncased --task seq-cls --micro_batch_size 8 --gradient_accumulation_steps 4
@@ -92,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="Print versions, devices and backends as Markdown (for bug reports).",
                        description="Print versions, devices and backends as Markdown (for bug reports).")  # fmt: skip
     e.add_argument("--json", default=None, help="Also write them as JSON to this file.")
+    sub.add_parser(
+        "compositions",
+        help="List how each composed trainer and loss accumulates (items, window statistic, coupled, refused).",
+        description="The composition registry as Markdown: for each (trainer class, loss), the items each micro-batch "
+        "is weighted by, the window statistic, the coupled mode, or why it is refused and the fix. A composed trainer "
+        "from another package that is not listed is checked on its first window (`check_unknown_compositions`).",
+    )
     t = sub.add_parser(
         "test",
         help="Self-test: is accumulation exact on this device, in each precision it supports?",
@@ -406,6 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "env":
             return run_env(args)
+        if args.command == "compositions":
+            from .adapters.compositions import composition_table
+
+            print(composition_table())
+            return EXIT_EXACT
         if args.command == "test":
             if args.json is not None:
                 _check_json_destination(args.json)

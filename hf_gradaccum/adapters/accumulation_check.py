@@ -56,12 +56,15 @@ def check_trainer_window(
     trainer: Any,
     batches: list[dict[str, Any]],
     probe: Callable[[torch.nn.Module, list[dict[str, Any]]], SplitInvarianceResult] | None = None,
+    refuse: Callable[[str], Exception] | None = None,
 ) -> SplitInvarianceResult | None:
     """
     Run the check on `batches` (one window) for `trainer`; log, write the JSON, warn or raise. Returns the local
     result with the global verdict (`passed`, `max_rel_diff` all-reduced over ranks), or `None` if the window could
     not be checked (too small; the reason is logged). `probe(model, prepared_batches)` replaces the ordinary
-    split-invariance check (the coupled-loss trainer passes its own).
+    split-invariance check (the coupled-loss trainer passes its own). `refuse(finding)` returns the error raised when
+    the window is found not exact or cannot be checked, whatever `verify_raise` says (an unknown composition is
+    checked that way: what cannot be shown exact does not train).
     """
     trainer._accumulation_verified = True
     trainer._verified_at = trainer.state.global_step
@@ -101,6 +104,8 @@ def check_trainer_window(
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
     global_max, verdict, any_error = float(local[0]), VERDICTS[int(local[1])], bool(local[2])
     if any_error:
+        if refuse is not None:
+            raise refuse(f"The check could not run on this window: {error}")
         logger.warning("verify_accumulation: the window could not be checked on every rank (%s); skipped.", error)
         return None
     if global_max > 0 or (result.max_rel_diff is not None and math.isfinite(result.max_rel_diff)):
@@ -127,6 +132,8 @@ def check_trainer_window(
     )
     if result.diagnosis is None:
         message += "\n(this rank's window passed; another rank's did not, see its log)"
+    if refuse is not None:
+        raise refuse(result.summary())
     if gradaccum_option(trainer.args, "verify_raise"):
         raise AccumulationNotExactError(message)
     logger.warning(message)

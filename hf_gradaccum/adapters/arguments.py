@@ -120,6 +120,14 @@ class GradAccumFields:
             "choices": list(VERIFY_MODES),
         },
     )
+    check_unknown_compositions: bool = field(
+        default=True,
+        metadata={
+            "help": "Composed with a Trainer subclass from another package that the composition registry does not "
+            "know (`hf-gradaccum compositions` lists it): run the split-invariance check on the first window and stop "
+            "before the first optimizer step unless accumulation is exact. False: train without the check."
+        },
+    )
     verify_every_n_steps: int = field(
         default=500, metadata={"help": "With `verify_accumulation='every_n_steps'`: optimizer steps between checks."}
     )
@@ -239,7 +247,12 @@ def validate_gradaccum_fields(args: Any) -> None:
     overlap = gradaccum_option(args, "overlap_reduction")
     if overlap is not None and not isinstance(overlap, bool):
         raise ValueError(f"`overlap_reduction` must be unset (auto), True or False, got {overlap!r}.")
-    for name in ("take_back_skipped_steps", "refuse_resume_with_different_batch", "atomic_checkpoints"):
+    for name in (
+        "take_back_skipped_steps",
+        "refuse_resume_with_different_batch",
+        "atomic_checkpoints",
+        "check_unknown_compositions",
+    ):
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))

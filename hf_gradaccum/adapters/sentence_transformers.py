@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..engine.coupled import CoupledLoss, rows_in
+from .compositions import CACHED_LOSSES, EMBEDDING_LOSSES, GUIDED_LOSSES
 from .coupled import CoupledLossTrainer
 
 __all__ = [
@@ -45,33 +46,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROUTES = ("coupled", "item_mean", "refused", "checked")
-
-# Loss classes (by name, so that nothing is imported before sentence-transformers is) whose `forward` is exactly
-# "embed every column with `self.model`, then `compute_loss_from_embeddings(embeddings, labels)`". A subclass that
-# keeps one of these `forward`s is routed too; one that overrides `forward` is not (its forward may do more).
-EMBEDDING_LOSSES = (
-    "MultipleNegativesRankingLoss",
-    "CoSENTLoss",
-    "AnglELoss",
-    "CosineSimilarityLoss",
-    "ContrastiveLoss",
-    "OnlineContrastiveLoss",
-    "TripletLoss",
-    "MarginMSELoss",
-    "DistillKLDivLoss",
-    "BatchAllTripletLoss",
-    "BatchHardTripletLoss",
-    "BatchHardSoftMarginTripletLoss",
-    "BatchSemiHardTripletLoss",
-)
-# `forward` runs the guide model too: replayed on the window's embeddings by `_gist_coupled_loss`.
-GUIDED_LOSSES = ("GISTEmbedLoss",)
-# Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only.
-CACHED_LOSSES = {
-    "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
-    "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
-    "CachedGISTEmbedLoss": "GISTEmbedLoss",
-}
 
 _REGISTERED: dict[type, str] = {}
 

@@ -42,10 +42,10 @@ from .arguments import gradaccum_option, validate_gradaccum_fields
 from .atomic_checkpoints import save_checkpoint_atomically
 from .batch_policies import apply_batch_policies
 from .compat import ATOMIC_CHECKPOINT_PRIVATE_NAMES, CORE_PRIVATE_NAMES, require_private_names
+from .compositions import CompositionError, refuse_unaccumulable_losses, unknown_composed_trainer
 from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
-from .training_checks import refuse_batch_level_losses
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
@@ -82,7 +82,11 @@ class GradAccumTrainer(Trainer):
         require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")
         if gradaccum_option(self.args, "atomic_checkpoints"):
             require_private_names(self, ATOMIC_CHECKPOINT_PRIVATE_NAMES, "`atomic_checkpoints=True`")
-        refuse_batch_level_losses(self)
+        # Compositions the registry refuses stop here; one it does not know is checked on its first window.
+        refuse_unaccumulable_losses(self)
+        self._unknown_composition: str | None = None
+        if self.args.gradient_accumulation_steps > 1 and gradaccum_option(self.args, "check_unknown_compositions"):
+            self._unknown_composition = unknown_composed_trainer(self)
         # TRL's online RL trainers (GRPO, RLOO) hand over prompts and generate inside `_prepare_inputs`: their items
         # are counted on the micro-batch their loss sees, per loss type (`adapters/trl_grpo.py`).
         self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
@@ -246,7 +250,9 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
             except (ValueError, TypeError, AttributeError):
                 self._window_items_local = None
-        if batch_samples and should_verify(self):
+        if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
+            check_trainer_window(self, batch_samples, refuse=self._refuse_unknown_composition)
+        elif batch_samples and should_verify(self):
             self.verify_accumulation(batch_samples)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
         return batch_samples, None
@@ -255,6 +261,16 @@ class GradAccumTrainer(Trainer):
         """Split-invariance check of accumulation on `batches` (`verify_accumulation` option); see
         [`~hf_gradaccum.verification.verify_split_invariance`]. Returns its result (`None` if the window is too small)."""
         return check_trainer_window(self, batches)
+
+    def _refuse_unknown_composition(self, finding: str) -> CompositionError:
+        loss = getattr(self.args, "loss_type", None) or getattr(self, "loss", None) or "its compute_loss"
+        return CompositionError(
+            f"GradAccumTrainer does not know how {self._unknown_composition} (loss: {loss!r}) accumulates, and the "
+            "split-invariance check on the first window did not show it exact, so training may not equal the large "
+            f"batch. Stopped before the first optimizer step.\n{finding}\nFix: `gradient_accumulation_steps=1` with the batch you "
+            "want, or `register_composition` with how this loss accumulates (hf_gradaccum/adapters/compositions.py); "
+            "`check_unknown_compositions=False` trains without the check."
+        )
 
     # ------------------------------------------------------------------ the micro-step
     def training_step(

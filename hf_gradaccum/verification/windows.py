@@ -32,7 +32,8 @@ def concat_window(batches: Sequence[Mapping[str, Any]], *, pad_token_id: int = 0
     Concatenate a window's micro-batches (dicts of tensors with the batch as dim 0) into one batch of rows.
 
     Token tensors of different lengths are right-padded to the longest (see module docstring); non-tensor values
-    must be equal across micro-batches and are kept as they are.
+    must be equal across micro-batches and are kept as they are, except lists with one entry per row (the prompts
+    that TRL's preference collators keep as text), which are concatenated and cut with the rows.
 
     Returns:
         `(rows, sizes)`: the concatenated batch and the number of rows of each original micro-batch.
@@ -59,6 +60,9 @@ def concat_window(batches: Sequence[Mapping[str, Any]], *, pad_token_id: int = 0
     rows: dict[str, Any] = {}
     for key in keys:
         values = [batch[key] for batch in batches]
+        if all(isinstance(v, (list, tuple)) and len(v) == n for v, n in zip(values, sizes, strict=True)):
+            rows[key] = _RowList(item for v in values for item in v)
+            continue
         if not torch.is_tensor(values[0]):
             if any(v != values[0] for v in values[1:]):
                 raise ValueError(f"`batches[*][{key!r}]` is not a tensor and differs between micro-batches.")
@@ -68,6 +72,10 @@ def concat_window(batches: Sequence[Mapping[str, Any]], *, pad_token_id: int = 0
             values = _pad_right(values, key, pad_token_id)
         rows[key] = torch.cat(values, dim=0)
     return rows, sizes
+
+
+class _RowList(list):
+    """A per-row list of a concatenated batch (one entry per row), cut with the rows."""
 
 
 def _rows(batch: Mapping[str, Any], index: int) -> int:
@@ -95,8 +103,17 @@ def _pad_right(values: list[torch.Tensor], key: str, pad_token_id: int) -> list[
 
 
 def take_rows(rows: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Rows `start:stop` of a concatenated batch (non-tensor values kept)."""
-    return {k: (v[start:stop] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in rows.items()}
+    """Rows `start:stop` of a concatenated batch (per-row lists cut too, other non-tensor values kept)."""
+    return {
+        k: (
+            v[start:stop]
+            if (torch.is_tensor(v) and v.dim() > 0)
+            else list(v[start:stop])
+            if isinstance(v, _RowList)
+            else v
+        )
+        for k, v in rows.items()
+    }
 
 
 def cut(rows: Mapping[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:

@@ -1,0 +1,325 @@
+"""One registry of the trainers `GradAccumTrainer` composes with: for each (trainer class, loss), how it accumulates.
+
+Every entry says one of four things:
+
+- **items**: the loss is a mean over independent items (tokens, rows, pairs, completions); each micro-batch is weighted
+  by how many it has and the window is divided by all of them, which is the large batch's mean;
+- **window statistic**: the loss also uses a statistic of the whole batch (a baseline, a normaliser); it is computed
+  once over the window and every micro-batch uses it;
+- **coupled**: every sample's loss depends on the others (in-batch negatives); the window runs through the
+  coupled-loss mode (gradient caching), so the loss sees the whole window;
+- **refused**: no weighting of micro-batches reproduces the large batch; construction stops with the reason and the
+  fix, before any work, when `gradient_accumulation_steps > 1`.
+
+Keys are class *names*, so that nothing is imported for a trainer that is not in use; a loss of `"*"` stands for every
+loss type of that trainer that has no entry of its own. The tables of the feature slices that carry out an entry
+(`adapters/trl_grpo.py` for what each GRPO loss averages over, `adapters/sentence_transformers.py` for the losses
+routed to the coupled mode) are the source of their rows here, so the listing cannot disagree with what runs.
+
+A composed trainer that is not in the registry (a `Trainer` subclass from another installed package) is checked on
+its first window by default (`check_unknown_compositions`): the split-invariance check runs, and training stops
+before the first optimizer step, naming the trainer, its loss and the fix, unless accumulation is found exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import Trainer
+
+from .trl_grpo import LOSS_ITEMS
+
+__all__ = [
+    "HOW",
+    "Accumulation",
+    "CompositionError",
+    "REGISTRY",
+    "composition_entry",
+    "composition_table",
+    "refuse_unaccumulable_losses",
+    "register_composition",
+    "unknown_composed_trainer",
+]
+
+HOW = ("items", "window statistic", "coupled", "refused")
+
+
+class CompositionError(ValueError):
+    """A composed trainer and loss that `GradAccumTrainer` cannot accumulate exactly (or could not show exact)."""
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """
+    How one (trainer, loss) accumulates under `GradAccumTrainer`.
+
+    Args:
+        how (`str`): one of `"items"`, `"window statistic"`, `"coupled"`, `"refused"`.
+        what (`str`): the items counted, the statistic computed over the window, or why it is refused.
+        fix (`str`, *optional*): for `"refused"`, what to use instead.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.compositions import REGISTRY
+    >>> REGISTRY["DPOTrainer", "aot"].how
+    'refused'
+    ```
+    """
+
+    how: str
+    what: str
+    fix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.how not in HOW:
+            raise ValueError(f"`how` must be one of {list(HOW)}, got {self.how!r}.")
+        if self.how == "refused" and not self.fix:
+            raise ValueError("A refused entry needs `fix`: what to use instead.")
+
+
+_MODEL_MEAN = "the model's own mean: non-`-100` label tokens (shifted for causal LMs), one per row for sequence labels"
+_DPO_FIX = "Use a per-pair loss type (e.g. 'sigmoid'), or `gradient_accumulation_steps=1` with the batch you want."
+_GA1 = "`gradient_accumulation_steps=1` with the batch you want"
+
+
+def _grpo_rows() -> dict[tuple[str, str], Accumulation]:
+    rows = {}
+    for (trainer, loss_type), items in LOSS_ITEMS.items():
+        detail = items.items
+        if items.rescales_num_items:
+            detail += " (TRL's `num_items_in_batch` presented as the micro-batch's own; see adapters/trl_grpo.py)"
+        rows[trainer, loss_type or "*"] = Accumulation("items", detail)
+    if ("GRPOTrainer", "*") not in rows:
+        rows["GRPOTrainer", "*"] = Accumulation(
+            "refused",
+            "a loss type not in the table of what each GRPO loss averages over",
+            "Use one of " + ", ".join(repr(t) for (n, t) in LOSS_ITEMS if n == "GRPOTrainer") + ".",
+        )
+    return rows
+
+
+# Loss classes (by name, so that nothing is imported before sentence-transformers is) whose `forward` is exactly
+# "embed every column with `self.model`, then `compute_loss_from_embeddings(embeddings, labels)`". A subclass that
+# keeps one of these `forward`s is routed too; one that overrides `forward` is not (its forward may do more).
+EMBEDDING_LOSSES = (
+    "MultipleNegativesRankingLoss",
+    "CoSENTLoss",
+    "AnglELoss",
+    "CosineSimilarityLoss",
+    "ContrastiveLoss",
+    "OnlineContrastiveLoss",
+    "TripletLoss",
+    "MarginMSELoss",
+    "DistillKLDivLoss",
+    "BatchAllTripletLoss",
+    "BatchHardTripletLoss",
+    "BatchHardSoftMarginTripletLoss",
+    "BatchSemiHardTripletLoss",
+)
+# `forward` runs the guide model too: replayed on the window's embeddings by `_gist_coupled_loss`.
+GUIDED_LOSSES = ("GISTEmbedLoss",)
+# Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only.
+CACHED_LOSSES = {
+    "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
+    "CachedGISTEmbedLoss": "GISTEmbedLoss",
+}
+
+
+def _sentence_transformers_rows() -> dict[tuple[str, str], Accumulation]:
+    rows = {}
+    for loss in (*EMBEDDING_LOSSES, *GUIDED_LOSSES):
+        rows["SentenceTransformerTrainer", loss] = Accumulation(
+            "coupled", "the window's embeddings through the loss (rows weighted)"
+        )
+    for cached, plain in CACHED_LOSSES.items():
+        rows["SentenceTransformerTrainer", cached] = Accumulation(
+            "refused",
+            "it caches gradients within one micro-batch, so its negatives are the micro-batch's only",
+            f"Use `{plain}`: composed with GradAccumTrainer the whole window is its batch of negatives.",
+        )
+    rows["SentenceTransformerTrainer", "*"] = Accumulation(
+        "items",
+        "rows, after the split-invariance check on the first window finds the loss exact (else refused); "
+        "`register_sentence_transformers_loss` declares a loss instead",
+    )
+    return rows
+
+
+# (trainer class name, loss type / loss class name / "*") -> how it accumulates.
+REGISTRY: dict[tuple[str, str], Accumulation] = {
+    ("Trainer", "*"): Accumulation("items", _MODEL_MEAN),
+    ("Seq2SeqTrainer", "*"): Accumulation("items", _MODEL_MEAN),
+    ("SFTTrainer", "*"): Accumulation("items", "label tokens (completion-only and assistant-only masks included)"),
+    ("DPOTrainer", "*"): Accumulation("items", "pairs (every per-pair loss type)"),
+    ("DPOTrainer", "sft"): Accumulation("refused", "a token mean over the micro-batch's chosen completions", _DPO_FIX),
+    ("DPOTrainer", "aot"): Accumulation("refused", "sorts the log-ratios across the micro-batch", _DPO_FIX),
+    ("DPOTrainer", "aot_unpaired"): Accumulation("refused", "sorts the log-ratios across the micro-batch", _DPO_FIX),
+    ("RewardTrainer", "*"): Accumulation("items", "pairs"),
+    ("KTOTrainer", "apo_zero_unpaired"): Accumulation("items", "completions (desirable and undesirable)"),
+    ("KTOTrainer", "kto"): Accumulation(
+        "refused",
+        "its KL baseline is estimated from the micro-batch's own mismatched (prompt, completion) pairs, built by "
+        "rotating completions within each batch of `per_device_train_batch_size`",
+        f"Use `loss_type='apo_zero_unpaired'` (no KL term), or {_GA1}.",
+    ),
+    ("BCOTrainer", "*"): Accumulation(
+        "refused",
+        "its reward baseline is a running mean updated per batch and its density-ratio classifier is fitted on each "
+        "batch's embeddings, both statistics of the micro-batch",
+        f"Use {_GA1}.",
+    ),
+    **_grpo_rows(),
+    **_sentence_transformers_rows(),
+}
+
+
+def register_composition(trainer_name: str, loss: str, how: str, what: str, fix: str | None = None) -> None:
+    """
+    Declare how a composed trainer's loss accumulates, instead of the first-window check an unknown composition gets.
+    Only `"items"` (a mean over independent items, which `count_micro_batch_items` counts) and `"refused"` can be
+    declared: the window statistic and coupled rows need code of their own.
+
+    Args:
+        trainer_name (`str`): the trainer class's name, e.g. `"ORPOTrainer"`.
+        loss (`str`): its `args.loss_type`, or `"*"` for all of them.
+        how (`str`): `"items"` or `"refused"`.
+        what (`str`): the items its loss is a mean over, or why it cannot be accumulated.
+        fix (`str`, *optional*): with `"refused"`, what to use instead.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.compositions import REGISTRY, register_composition
+    >>> register_composition("MyPairTrainer", "*", "items", "pairs")
+    >>> REGISTRY["MyPairTrainer", "*"].how
+    'items'
+    ```
+    """
+    if how not in ("items", "refused"):
+        raise ValueError(f"`how` must be 'items' or 'refused' for a registered composition, got {how!r}.")
+    if not isinstance(trainer_name, str) or not isinstance(loss, str):
+        raise TypeError(f"`trainer_name` and `loss` must be strings, got {trainer_name!r} and {loss!r}.")
+    REGISTRY[trainer_name, loss] = Accumulation(how, what, fix)
+
+
+def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
+    """The loss names that select a row for `trainer_name`: its loss types, or its loss module's class names."""
+    if trainer_name == "SentenceTransformerTrainer":
+        loss = getattr(trainer, "loss", None)
+        losses = list(loss.values()) if isinstance(loss, dict) else [loss]
+        return [type(item).__name__ for item in losses if item is not None]
+    if trainer_name in ("RLOOTrainer",):
+        return ["*"]
+    loss_types = getattr(trainer.args, "loss_type", None)
+    if isinstance(loss_types, str):
+        return [loss_types]
+    return [str(t) for t in loss_types] if loss_types else ["*"]
+
+
+def composition_entry(trainer: Any) -> tuple[str, list[tuple[str, Accumulation]]] | None:
+    """
+    The registry's rows for `trainer`: `(trainer class name, [(loss, Accumulation), ...])` for the nearest class in
+    its MRO with an entry, or `None` when no class has one.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.compositions import composition_entry
+    >>> composition_entry(trainer)  # doctest: +SKIP  (a GradAccumTrainer composed with DPOTrainer, loss 'sigmoid')
+    ('DPOTrainer', [('sigmoid', Accumulation(how='items', what='pairs (every per-pair loss type)', fix=None))])
+    ```
+    """
+    known = {name for name, _ in REGISTRY}
+    for cls in type(trainer).__mro__:
+        if cls.__name__ not in known or cls.__module__.startswith("hf_gradaccum"):
+            continue
+        name = cls.__name__
+        rows = []
+        for loss in _loss_keys(trainer, name):
+            entry = REGISTRY.get((name, loss)) or REGISTRY.get((name, "*"))
+            if entry is not None:
+                rows.append((loss, entry))
+        return name, rows
+    return None
+
+
+def refuse_unaccumulable_losses(trainer: Any) -> None:
+    """
+    Raise a [`CompositionError`] (a `ValueError`) naming the trainer, the loss, why and the fix when the registry
+    refuses `trainer`'s loss under accumulation. Does nothing with `gradient_accumulation_steps=1`.
+    """
+    if trainer.args.gradient_accumulation_steps == 1:
+        return
+    found = composition_entry(trainer)
+    if found is None:
+        return
+    name, rows = found
+    if name == "SentenceTransformerTrainer":
+        # Its loss may be set after `__init__` (with SentenceTransformerTrainer first in the class order): the
+        # routing refuses these rows on the first window, before any step (adapters/sentence_transformers.py).
+        return
+    refused = [(loss, entry) for loss, entry in rows if entry.how == "refused"]
+    if refused:
+        why = "; ".join(f"{loss!r} {entry.what}" for loss, entry in refused)
+        raise CompositionError(
+            f"{name} with loss {[loss for loss, _ in refused]} cannot be accumulated exactly: {why}, so no weighting "
+            f"of micro-batches equals the large-batch loss. {refused[0][1].fix}"
+        )
+
+
+@functools.cache
+def _installed_top_level_modules() -> frozenset[str]:
+    return frozenset(importlib.metadata.packages_distributions())
+
+
+def unknown_composed_trainer(trainer: Any) -> str | None:
+    """
+    The name of the `Trainer` subclass from another installed package (not transformers, not this one) that
+    `trainer` composes with, when the registry has no row for it; `None` when the nearest such class in the MRO is
+    known, or there is none. The user's own subclasses (code not installed as a package) are the user's loss, not a
+    composition, and are looked through.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.adapters.compositions import unknown_composed_trainer
+    >>> unknown_composed_trainer(GradAccumTrainer.__new__(GradAccumTrainer)) is None
+    True
+    ```
+    """
+    known = {name for name, _ in REGISTRY}
+    installed = _installed_top_level_modules()
+    for cls in type(trainer).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root == "hf_gradaccum" or not issubclass(cls, Trainer):
+            continue
+        if cls.__name__ in known:
+            return None
+        if root != "transformers" and root in installed:
+            return cls.__name__
+    return None
+
+
+def composition_table() -> str:
+    """
+    The registry as a Markdown table (what `hf-gradaccum compositions` prints).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.compositions import composition_table
+    >>> print(composition_table().splitlines()[0])
+    | trainer | loss | accumulates by | what |
+    ```
+    """
+    lines = ["| trainer | loss | accumulates by | what |", "|---|---|---|---|"]
+    for (trainer, loss), entry in REGISTRY.items():
+        what = entry.what + (f" Fix: {entry.fix}" if entry.fix else "")
+        lines.append(f"| {trainer} | {loss} | {entry.how} | {what} |")
+    return "\n".join(lines)
