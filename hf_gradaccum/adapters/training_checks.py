@@ -85,32 +85,43 @@ def validate_training_numbers(args: Any) -> None:
 
 
 # Loss terms of known trainers that are a statistic of the whole micro-batch, not a mean over independent items, so no
-# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}.
+# weighting of micro-batches can reproduce them on the large batch: trainer class name -> {loss_type: why}. (KTO's
+# 'kto' is made exact instead: `adapters/trl_kto.py`.)
 BATCH_LEVEL_LOSS_TYPES = {
     "DPOTrainer": {
         "sft": "a token mean over the micro-batch's chosen completions",
         "aot": "sorts the log-ratios across the micro-batch",
         "aot_unpaired": "sorts the log-ratios across the micro-batch",
     },
-    "KTOTrainer": {
-        "kto": "its KL baseline is estimated from the micro-batch's own mismatched (prompt, completion) pairs, built "
-        "by rotating completions within each batch of `per_device_train_batch_size`",
-    },
 }
 # What to use instead, per trainer class name (both keep the large-batch update exact under accumulation).
 BATCH_LEVEL_LOSS_FIXES = {
     "DPOTrainer": "Use per-pair loss types (e.g. 'sigmoid')",
-    "KTOTrainer": "Use `loss_type='apo_zero_unpaired'` (no KL term)",
+}
+# Trainers whose loss depends on the whole batch whatever their loss type: trainer class name -> why. Matched by name,
+# so that releases of TRL which still ship them (BCOTrainer was removed before trl 1.16) are refused too.
+BATCH_LEVEL_TRAINERS = {
+    "BCOTrainer": "its reward baseline (`delta`) is a running mean updated with each batch's rewards just before that "
+    "batch's loss uses it, so under accumulation micro-batch k's loss would use a baseline that has seen only the "
+    "first k micro-batches' rewards instead of the window's",
 }
 
 
 def refuse_batch_level_losses(trainer: Any) -> None:
     """
-    Raise a `ValueError` when `trainer` (a composed trainer) is configured with a loss term that depends on the whole
-    micro-batch (see `BATCH_LEVEL_LOSS_TYPES`): accumulating it over micro-batches cannot equal the large batch.
+    Raise a `ValueError` when `trainer` (a composed trainer) is a trainer of `BATCH_LEVEL_TRAINERS`, or is configured
+    with a loss term that depends on the whole micro-batch (see `BATCH_LEVEL_LOSS_TYPES`), at
+    `gradient_accumulation_steps > 1`: accumulating such a loss over micro-batches cannot equal the large batch.
     """
     if trainer.args.gradient_accumulation_steps == 1:
         return
+    for cls in type(trainer).__mro__:
+        why = BATCH_LEVEL_TRAINERS.get(cls.__name__)
+        if why:
+            raise ValueError(
+                f"{cls.__name__} cannot be accumulated exactly: {why}, so no weighting of micro-batches equals the "
+                "large-batch update. Use `gradient_accumulation_steps=1` with the batch you want."
+            )
     for cls in type(trainer).__mro__:
         refused = BATCH_LEVEL_LOSS_TYPES.get(cls.__name__)
         if not refused:
