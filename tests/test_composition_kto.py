@@ -65,6 +65,7 @@ def test_kto_with_class_weights_and_an_uneven_split_equals_the_large_batch(tmp_p
     for order, cls in ORDERS.items():
         run = train_kto(cls, str(tmp_path / order), ga=K, batch=B, rows=B * K, **weights)
         error = _relative(run.update, reference.update)
+        print(f"\n{order} GA={K}: KL {run.kls[0]:.4f} (one batch {reference.kls[0]:.4f}), rel. diff {error:.2e}")
         assert run.kls == pytest.approx(reference.kls * K, rel=1e-6)
         assert error <= RTOL, f"{order}: relative update difference {error:.3g} > {RTOL}"
 
@@ -77,6 +78,7 @@ def test_kto_with_precomputed_reference_log_probs_equals_the_large_batch(tmp_pat
     for order, cls in ORDERS.items():
         run = train_kto(cls, str(tmp_path / order), ga=K, batch=B, rows=B * K, precompute_ref_log_probs=True)
         error = _relative(run.update, reference.update)
+        print(f"\n{order} GA={K}: KL {run.kls[0]:.4f} (one batch {reference.kls[0]:.4f}), rel. diff {error:.2e}")
         assert run.kls == pytest.approx(reference.kls * K, rel=1e-6)
         assert error <= RTOL, f"{order}: relative update difference {error:.3g} > {RTOL}"
 
@@ -88,6 +90,7 @@ def test_kto_without_kl_term_equals_the_large_batch(tmp_path):
     for order, cls in ORDERS.items():
         run = train_kto(cls, str(tmp_path / order), ga=K, batch=B, rows=B * K, loss_type="apo_zero_unpaired")
         error = _relative(run.update, reference.update)
+        print(f"\n{order} GA={K} apo_zero_unpaired: rel. diff {error:.2e}")
         assert error <= RTOL, f"{order}: relative update difference {error:.3g} > {RTOL}"
 
 
