@@ -162,15 +162,14 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
     ("RewardTrainer", "*"): Accumulation("items", "pairs"),
     ("KTOTrainer", "apo_zero_unpaired"): Accumulation("items", "completions (desirable and undesirable)"),
     ("KTOTrainer", "kto"): Accumulation(
-        "refused",
-        "its KL baseline is estimated from the micro-batch's own mismatched (prompt, completion) pairs, built by "
-        "rotating completions within each batch of `per_device_train_batch_size`",
-        f"Use `loss_type='apo_zero_unpaired'` (no KL term), or {_GA1}.",
+        "window statistic",
+        "completions, with the KL baseline over the window's mismatched pairs (rotated within the window on all "
+        "ranks, one forward-only pass; adapters/trl_kto.py)",
     ),
     ("BCOTrainer", "*"): Accumulation(
         "refused",
-        "its reward baseline is a running mean updated per batch and its density-ratio classifier is fitted on each "
-        "batch's embeddings, both statistics of the micro-batch",
+        "its reward baseline (`delta`) is a running mean updated with each batch's rewards just before that batch's "
+        "loss uses it, so micro-batch k would use a baseline that has seen only the first k micro-batches' rewards",
         f"Use {_GA1}.",
     ),
     **_grpo_rows(),
@@ -265,10 +264,12 @@ def refuse_unaccumulable_losses(trainer: Any) -> None:
         return
     refused = [(loss, entry) for loss, entry in rows if entry.how == "refused"]
     if refused:
-        why = "; ".join(f"{loss!r} {entry.what}" for loss, entry in refused)
+        named = [loss for loss, _ in refused if loss != "*"]
+        subject = f"{name} with loss {named}" if named else name
+        why = "; ".join(f"{loss!r} {entry.what}" if loss != "*" else entry.what for loss, entry in refused)
         raise CompositionError(
-            f"{name} with loss {[loss for loss, _ in refused]} cannot be accumulated exactly: {why}, so no weighting "
-            f"of micro-batches equals the large-batch loss. {refused[0][1].fix}"
+            f"{subject} cannot be accumulated exactly: {why}, so no weighting of micro-batches equals the "
+            f"large-batch loss. {refused[0][1].fix}"
         )
 
 

@@ -6,7 +6,8 @@ Accelerate loops use directly. The Trainer's own loop is left alone; with every 
 run behaves as the stock `Trainer` in everything but the gradient it steps with (docs/trainer_fidelity.md lists the
 differences). Public methods overridden:
 
-- `get_batch_samples`: count the window's items from the labels (for the logged loss only);
+- `get_batch_samples`: count the window's items from the labels (for the logged loss only); composed with TRL's
+  KTOTrainer, compute the window's KL baseline in a forward-only pass (`adapters/trl_kto.py`);
 - `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
   composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
   routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
@@ -47,6 +48,7 @@ from .model_inspection import loss_shifts_labels
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
+from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
@@ -76,6 +78,14 @@ class GradAccumTrainer(Trainer):
     ```
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
+        trainer = super().__new__(cls)
+        # TRL's KTOTrainer builds its KL pairs while preparing its datasets, in its own `__init__`, which runs before
+        # this class's when it comes first in the class order: they are made the large batch's here
+        # (`adapters/trl_kto.py`).
+        install_window_pairing(trainer)
+        return trainer
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
@@ -90,6 +100,8 @@ class GradAccumTrainer(Trainer):
         # TRL's online RL trainers (GRPO, RLOO) hand over prompts and generate inside `_prepare_inputs`: their items
         # are counted on the micro-batch their loss sees, per loss type (`adapters/trl_grpo.py`).
         self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
+        # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
+        self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
         # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
         # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that
@@ -233,7 +245,8 @@ class GradAccumTrainer(Trainer):
             logger.warning(message, *args)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Prefetch one window (as the stock Trainer does) and count its local items for the logged loss."""
+        """Prefetch one window (as the stock Trainer does) and count its local items for the logged loss. Composed
+        with TRL's KTOTrainer (a loss with a KL term), also compute the window's KL baseline over all ranks."""
         batch_samples = []
         for _ in range(num_batches):
             try:
@@ -250,6 +263,8 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
             except (ValueError, TypeError, AttributeError):
                 self._window_items_local = None
+        if batch_samples and self._kto_baseline is not None:
+            self._kto_baseline.prepare(self, batch_samples)  # forward-only, over all ranks
         if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
             check_trainer_window(self, batch_samples, refuse=self._refuse_unknown_composition)
         elif batch_samples and should_verify(self):
@@ -421,7 +436,8 @@ class GradAccumTrainer(Trainer):
         The parent's context around `compute_loss`. `Trainer.training_step` enters it after `_prepare_inputs`, so for
         a composed GRPO/RLOO trainer it is where the micro-batch that the loss will see exists (generated and
         buffered by the parent): its items are counted there, and it is presented as a batch of its own for the
-        length of the loss (`adapters/trl_grpo.py`).
+        length of the loss (`adapters/trl_grpo.py`). For a composed KTOTrainer, the loss uses the window's KL baseline
+        instead of the micro-batch's own for its length (`adapters/trl_kto.py`).
         """
         stack = super().compute_loss_context_manager()
         rule = getattr(self, "_generation_accumulation", None)
@@ -429,6 +445,9 @@ class GradAccumTrainer(Trainer):
             items, micro_batch, restore = rule.present(self)
             self._pending_micro_batch = (items, micro_batch)
             stack.callback(restore)
+        baseline = getattr(self, "_kto_baseline", None)
+        if baseline is not None and getattr(self, "_in_micro_step", False):
+            stack.enter_context(baseline.substituted(self))
         return stack
 
     # ------------------------------------------------------------------ out-of-memory retry (auto_find_batch_size)
