@@ -295,14 +295,14 @@ def unknown_composed_trainer(trainer: Any) -> str | None:
     ```
     """
     known = {name for name, _ in REGISTRY}
-    installed = _installed_top_level_modules()
     for cls in type(trainer).__mro__:
         root = cls.__module__.split(".")[0]
         if root == "hf_gradaccum" or not issubclass(cls, Trainer):
             continue
         if cls.__name__ in known:
             return None
-        if root != "transformers" and root in installed:
+        # (The installed-package map is read only here, once per process: a plain Trainer never needs it.)
+        if root != "transformers" and root in _installed_top_level_modules():
             return cls.__name__
     return None
 
