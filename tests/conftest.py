@@ -12,3 +12,17 @@ def _sequential_order_on_transformers_4(monkeypatch):
 
         monkeypatch.setattr(Trainer, "_get_train_sampler", sequential_train_sampler)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """transformers 4.x writes `ACCELERATE_MIXED_PRECISION` into `os.environ` when a TrainingArguments with bf16 or
+    fp16 is built (TRL's configs default to bf16), and every later Accelerator of the process reads it: a test that
+    builds such arguments would turn the next tests' fp32 runs into bf16 autocast. Each test starts from the same
+    environment."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

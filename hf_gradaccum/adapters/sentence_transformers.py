@@ -137,13 +137,21 @@ def _features(trainer: Any, batch: Mapping[str, Any]) -> tuple[list[dict[str, An
     return features, labels if torch.is_tensor(labels) else None
 
 
-def _embed_columns(model: nn.Module, features: list[dict[str, Any]], first_only: bool) -> list[torch.Tensor]:
-    from sentence_transformers.base.losses.merged_forward import embed_columns
+def _columns_as_losses_embed(model: nn.Module, features: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """Each column's embeddings as the installed sentence-transformers' losses compute them: 6.x merges columns that
+    preprocess alike into one forward (`embed_columns`); 5.x runs one forward per column."""
+    try:
+        from sentence_transformers.base.losses.merged_forward import embed_columns as merged
+    except ImportError:  # sentence-transformers 5.x
+        return [model(column)["sentence_embedding"] for column in features]
+    return merged(model, features)
 
+
+def _embed_columns(model: nn.Module, features: list[dict[str, Any]], first_only: bool) -> list[torch.Tensor]:
     # The batch-triplet losses embed only the first column (`self.sentence_embedder(sentence_features[0])`).
     if first_only:
         return [model(features[0])["sentence_embedding"]]
-    return embed_columns(model, features)
+    return _columns_as_losses_embed(model, features)
 
 
 @contextlib.contextmanager
@@ -207,7 +215,6 @@ class _Replay(nn.Module):
 def _gist_guide_embeddings(loss: nn.Module, features: list[dict[str, Any]]) -> list[torch.Tensor]:
     """The guide's embeddings as `GISTEmbedLoss.forward` computes them (re-tokenised when the guide's tokenizer or
     length differs), without a graph."""
-    from sentence_transformers.base.losses.merged_forward import embed_columns
     from sentence_transformers.util import batch_to_device
 
     with torch.no_grad():
@@ -218,7 +225,7 @@ def _gist_guide_embeddings(loss: nn.Module, features: list[dict[str, Any]]) -> l
                 guide_features.append(batch_to_device(loss.guide.preprocess(decoded), loss.guide.device))
         else:
             guide_features = [dict(feature) for feature in features]
-        return [e.detach() for e in embed_columns(loss.guide, guide_features)]
+        return [e.detach() for e in _columns_as_losses_embed(loss.guide, guide_features)]
 
 
 def _gist_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
