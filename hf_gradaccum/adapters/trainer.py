@@ -591,27 +591,3 @@ class _LoopRestartCallback(TrainerCallback):
             self._trainer._restart_after_oom()
         self._batch_size = batch_size
         return control
-
-
-def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) -> type[Trainer]:
-    """
-    `class GradAccum<Name>(GradAccumTrainer, trainer_cls)`: `trainer_cls` (TRL's `SFTTrainer`, `DPOTrainer`,
-    `RewardTrainer`, transformers' `Seq2SeqTrainer`, yours) with exact gradient accumulation. Its `training_step`
-    and `compute_loss` still run (contexts, metrics, auxiliary losses); writing `class T(GradAccumTrainer,
-    trainer_cls)` or `class T(trainer_cls, GradAccumTrainer)` yourself is equivalent.
-
-    Example:
-
-    ```python
-    >>> from transformers import Seq2SeqTrainer
-    >>> from hf_gradaccum.adapters.trainer import make_gradaccum_trainer
-    >>> make_gradaccum_trainer(Seq2SeqTrainer).__name__
-    'GradAccumSeq2SeqTrainer'
-    ```
-    """
-    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
-        raise TypeError(f"`trainer_cls` must be a transformers.Trainer subclass, got {trainer_cls!r}.")
-    if issubclass(trainer_cls, GradAccumTrainer):
-        return trainer_cls
-    name = name or f"GradAccum{trainer_cls.__name__}"
-    return type(name, (GradAccumTrainer, trainer_cls), {"__module__": __name__, "__qualname__": name})
