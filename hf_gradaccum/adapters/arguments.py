@@ -13,7 +13,6 @@ from transformers import TrainingArguments
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
-from ..engine.overlap import validate_bucket_cap_mb
 from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -135,15 +134,6 @@ class GradAccumFields:
         default=False,
         metadata={"help": "Raise (instead of warning) when the check finds accumulation not exact for this model."},
     )
-    overlap_reduction: bool | None = field(
-        default=False,
-        metadata={
-            "help": "DDP: all-reduce the accumulation buffer in buckets during the window's last backward (as DDP "
-            "overlaps its own), in buckets of the stock `ddp_bucket_cap_mb` (default 25). Same results. Off by "
-            "default until it is measured on a GPU (on CPU it measured no faster); None: on for GPUs, off on CPU. "
-            "Always off with `auto_find_batch_size`, whose out-of-memory retry redoes a window."
-        },
-    )
     fsdp_reduce_schedule: str = field(
         default="every_micro_batch",
         metadata={
@@ -244,9 +234,6 @@ def validate_gradaccum_fields(args: Any) -> None:
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
-    overlap = gradaccum_option(args, "overlap_reduction")
-    if overlap is not None and not isinstance(overlap, bool):
-        raise ValueError(f"`overlap_reduction` must be unset (auto), True or False, got {overlap!r}.")
     for name in (
         "take_back_skipped_steps",
         "refuse_resume_with_different_batch",
@@ -256,8 +243,6 @@ def validate_gradaccum_fields(args: Any) -> None:
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
-    if getattr(args, "ddp_bucket_cap_mb", None) is not None:
-        validate_bucket_cap_mb(args.ddp_bucket_cap_mb)
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:
         raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")
