@@ -1,29 +1,26 @@
-"""Time per optimizer step under DDP: one reduction per window (this project, overlapped or not) vs DDP's own.
+"""Time per optimizer step under DDP: one reduction per window (this project) vs DDP's own.
 
 Run under a 2-process launch (gloo on CPU), from the repository root:
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml benchmarks/bench_ddp_reduction.py
 
-Four ways to accumulate N micro-batches per optimizer step on each rank, timed in the same run:
+Three ways to accumulate N micro-batches per optimizer step on each rank, timed in the same run:
 
 * `every_micro_batch`: DDP's backward on every micro-batch (no `no_sync`), so DDP all-reduces every gradient
   bucket N times per step: what a hand-written loop that forgets `no_sync` does.
 * `ddp_no_sync`: Accelerate's `accumulator.accumulate(model)` idiom: `no_sync` on N-1 micro-batches, DDP's
   bucketed (overlapped) all-reduce on the last one. The reduction count is right, but the gradients accumulate in
   the parameters' dtype and the update is a mean of per-micro-batch means (not item-weighted).
-* `gradaccum_window_end`: `GradientAccumulator(overlap_reduction=False)`: `no_sync` on every micro-batch,
-  gradients folded into the flat fp32 buffer, one blocking all-reduce of the buffer (plus one small count vector)
-  after the window's last backward, item-weighted.
-* `gradaccum_overlap`: `GradientAccumulator` as shipped (`overlap_reduction=True`): the same, but during the last
-  micro-batch the buffer is all-reduced in buckets (`--bucket_cap_mb`, first bucket 1 MB, as DDP) launched
-  asynchronously from the fold hooks as their gradients become final; the window end waits.
+* `gradaccum_window_end`: `GradientAccumulator`: `no_sync` on every micro-batch, gradients folded into the flat
+  fp32 buffer, one blocking all-reduce of the buffer (plus one small count vector) after the window's last
+  backward, item-weighted.
 
 Model: a BERT-shaped `BertForSequenceClassification` (random init; `--hidden`, `--layers`, vocab 30522, so the
 gradient is dominated by the embedding table as in real BERT fine-tuning), micro-batch `--micro` x `--seq_len`
 synthetic tokens, SGD. The methods are interleaved per repetition (A B C, C B A, ...) so drift of the shared
 machine falls on all of them alike; medians over `--repeats` windows after one warm-up window each. DDP's own
-all-reduces are counted with a communication hook, the accumulator's with its counters (one per bucket plus the
-count vector; `gradaccum_overlap` also reports how many buckets were launched during the backward).
+all-reduces are counted with a communication hook, the accumulator's with its counters (one per flat buffer plus
+the count vector).
 
 Writes `benchmarks/results/ddp_reduction.{json,md}` (rank 0) and prints the table.
 """
@@ -48,8 +45,8 @@ from transformers import BertConfig, BertForSequenceClassification
 from hf_gradaccum import GradientAccumulator
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-METHODS = ("every_micro_batch", "ddp_no_sync", "gradaccum_window_end", "gradaccum_overlap")
-OURS = {"gradaccum_window_end": False, "gradaccum_overlap": True}  # method -> overlap_reduction
+METHODS = ("every_micro_batch", "ddp_no_sync", "gradaccum_window_end")
+OURS = ("gradaccum_window_end",)
 
 
 class AllReduceCounter:
@@ -100,7 +97,6 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="Bucket size of gradaccum_overlap.")
     args = parser.parse_args()
 
     # One rank per core on a 2-core machine: more threads per rank would only fight over the cores.
@@ -130,7 +126,7 @@ def main() -> None:
         counters[method] = AllReduceCounter()
         model.register_comm_hook(None, counters[method].hook)
         models[method], optimizers[method] = model, optimizer
-    num_params = sum(p.numel() for p in models["gradaccum_overlap"].parameters())
+    num_params = sum(p.numel() for p in models["gradaccum_window_end"].parameters())
 
     rows = []
     for steps in args.steps:
@@ -139,13 +135,9 @@ def main() -> None:
         # A fresh accumulator per N (its window length is fixed at construction).
         for acc in accumulators.values():
             acc.remove_hooks()
-        accumulators = {
-            m: GradientAccumulator(models[m], steps, overlap_reduction=overlap, bucket_cap_mb=args.bucket_cap_mb)
-            for m, overlap in OURS.items()
-        }
+        accumulators = {m: GradientAccumulator(models[m], steps) for m in OURS}
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         comm_per_window: dict[str, float] = {}
-        launched_in_backward: list[int] = []
         seed = 100 * steps + accelerator.process_index
         for rep in range(args.repeats + 1):
             order = METHODS if rep % 2 == 0 else METHODS[::-1]
@@ -162,8 +154,6 @@ def main() -> None:
                 if rep > 0:  # the first window of each method warms up allocators and gloo
                     times[method].append(elapsed)
                     comm_per_window[method] = after - before
-                    if method == "gradaccum_overlap":
-                        launched_in_backward.append(acc._overlap.launched_during_backward)
         base = statistics.median(times["every_micro_batch"])
         no_sync = statistics.median(times["ddp_no_sync"])
         for method in METHODS:
@@ -181,9 +171,6 @@ def main() -> None:
                         t / b for t, b in zip(times[method], times["ddp_no_sync"], strict=True)
                     ),
                     "all_reduces_per_step": comm_per_window[method],
-                    "buckets_launched_during_backward": (
-                        statistics.median(launched_in_backward) if method == "gradaccum_overlap" else None
-                    ),
                     "per_run_s": times[method],
                 }
             )
@@ -209,24 +196,22 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            launched = r["buckets_launched_during_backward"]
-            overlap = "" if launched is None else f" ({launched:g} launched during backward)"
             lines.append(
                 f"| {r['N']} | {r['method']} | {r['s_per_step']:.3f} | {r['min_s_per_step']:.3f} "
                 f"| {r['ratio_vs_every_micro_batch']:.2f} "
                 f"| {r['ratio_vs_ddp_no_sync']:.2f} | {r['paired_ratio_vs_ddp_no_sync']:.2f} "
-                f"| {r['all_reduces_per_step']:g}{overlap} |"
+                f"| {r['all_reduces_per_step']:g} |"
             )
         table = "\n".join(lines)
         header = (
-            f"# DDP: one reduction per window (overlapped or not) vs DDP's own\n\nCommand: `{meta['command']}`\n\n"
+            f"# DDP: one reduction per window vs DDP's own\n\nCommand: `{meta['command']}`\n\n"
             f"{meta['world_size']} processes ({meta['backend']}), BERT hidden {args.hidden} x {args.layers} layers "
             f"({num_params / 1e6:.1f}M trainable parameters), micro-batch {args.micro} x {args.seq_len} tokens per "
             f"rank, SGD, torch {torch.__version__}, {meta['machine']}; medians (and minima) of "
             f"{args.repeats} windows; ratios of medians, and the paired ratio: the median over repetitions of "
             "each method's time over DDP no_sync's in the same repetition (they run back to back).\n\n"
             "All-reduces: DDP bucket all-reduces counted by a comm hook; for gradaccum the accumulator's own "
-            "collectives (the buffer's buckets and the count vector).\n\n"
+            "collectives (the flat buffer and the count vector).\n\n"
         )
         RESULTS_DIR.mkdir(exist_ok=True)
         (RESULTS_DIR / "ddp_reduction.md").write_text(header + table + "\n")

@@ -14,14 +14,12 @@ The recipes' parity experiment harness lives outside the package, in `recipes/ha
 Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used. One way to do each
 thing: `GradAccumTrainer` (compose with another trainer by subclassing, `class T(GradAccumTrainer, SFTTrainer)`),
 `GradAccumArguments` (or the `GradAccumFields` mixin on another arguments class, e.g. TRL's `SFTConfig`), and
-`GradientAccumulator` for plain loops. Names removed from the top level still work for one release, with a
-`FutureWarning` that says where they live now (`_DEPRECATED`).
+`GradientAccumulator` for plain loops.
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -62,30 +60,6 @@ _EXPORTS: dict[str, str] = {
     "freeze_batchnorm": ".helpers.normalization",
 }
 
-# removed from the top level (still importable from their modules): name -> (module, what to use instead)
-_DEPRECATED: dict[str, tuple[str, str]] = {
-    "count_items": (".engine.items", "`hf_gradaccum.engine.items.count_items`"),
-    "make_gradaccum_trainer": (".adapters.trainer", "`class MyTrainer(GradAccumTrainer, OtherTrainer)`"),
-    "with_gradaccum_fields": (".adapters.arguments", "`@dataclass class MyArgs(GradAccumFields, OtherArguments)`"),
-    "GradAccumSeq2SeqArguments": (
-        ".adapters.arguments",
-        "`@dataclass class MyArgs(GradAccumFields, Seq2SeqTrainingArguments)`",
-    ),
-    "GradAccumSFTConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, SFTConfig)`"),
-    "GradAccumDPOConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, DPOConfig)`"),
-    "GradAccumRewardConfig": (".adapters.trl_support", "`@dataclass class MyConfig(GradAccumFields, RewardConfig)`"),
-    "effective_batch_size": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.effective_batch_size`"),
-    "lr_scaling_factor": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.lr_scaling_factor`"),
-    "recommended_warmup_steps": (".helpers.lr_scaling", "`hf_gradaccum.helpers.lr_scaling.recommended_warmup_steps`"),
-    "BatchNormConversion": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.BatchNormConversion`"),
-    "FrozenBatchNorm": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.FrozenBatchNorm`"),
-    "accumulation_bn_momentum": (
-        ".helpers.normalization",
-        "`hf_gradaccum.helpers.normalization.accumulation_bn_momentum`",
-    ),
-    "groupnorm_num_groups": (".helpers.normalization", "`hf_gradaccum.helpers.normalization.groupnorm_num_groups`"),
-}
-
 __all__ = [
     "AccumulationNotExactError",
     "AccumulationPlan",
@@ -118,15 +92,6 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None and name in _DEPRECATED:
-        module, instead = _DEPRECATED[name]
-        warnings.warn(
-            f"`hf_gradaccum.{name}` is deprecated and will be removed from the top level in the next release; "
-            f"use {instead}.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(module, __name__), name)  # not cached: warn at every use
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)

@@ -62,7 +62,7 @@ from transformers import (
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.assets import MissingAssetError, locate_asset
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hf_gradaccum import GradientAccumulator
 from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
 
 
 def make_model() -> torch.nn.Module:

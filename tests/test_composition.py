@@ -29,14 +29,12 @@ from transformers import (  # noqa: E402
 )
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from hf_gradaccum import (  # noqa: E402
-    GradAccumArguments,
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
+from tests.composed_arguments import (  # noqa: E402
     GradAccumDPOConfig,
     GradAccumRewardConfig,
     GradAccumSeq2SeqArguments,
     GradAccumSFTConfig,
-    GradAccumTrainer,
-    make_gradaccum_trainer,
 )
 from tests.composition_cases import (  # noqa: E402
     NUM_SAMPLES,
@@ -61,6 +59,18 @@ from tests.composition_cases import (  # noqa: E402
 )
 
 RTOL = 1e-5
+
+
+class GradAccumSeq2SeqTrainer(GradAccumTrainer, Seq2SeqTrainer):
+    pass
+
+
+class GradAccumDPOTrainer(GradAccumTrainer, DPOTrainer):
+    pass
+
+
+class GradAccumRewardTrainer(GradAccumTrainer, RewardTrainer):
+    pass
 
 
 class GradAccumFirstSFT(GradAccumTrainer, SFTTrainer):
@@ -276,21 +286,20 @@ COMBINATIONS = {
         lambda tmp: run_plain(Trainer, tmp, model_fn=tiny_mixtral, stock=True),
     ),
     "seq2seq_t5_predict_with_generate": (
-        lambda tmp: run_seq2seq(make_gradaccum_trainer(Seq2SeqTrainer), tmp),
+        lambda tmp: run_seq2seq(GradAccumSeq2SeqTrainer, tmp),
         lambda tmp: run_seq2seq(Seq2SeqTrainer, tmp, stock=True),
     ),
     "dpo_sigmoid": (
-        lambda tmp: run_dpo(make_gradaccum_trainer(DPOTrainer), tmp),
+        lambda tmp: run_dpo(GradAccumDPOTrainer, tmp),
         lambda tmp: run_dpo(DPOTrainer, tmp, stock=True),
     ),
     "reward_trainer": (
-        lambda tmp: run_reward(make_gradaccum_trainer(RewardTrainer), tmp),
+        lambda tmp: run_reward(GradAccumRewardTrainer, tmp),
         lambda tmp: run_reward(RewardTrainer, tmp, stock=True),
     ),
 }
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_composition_matches_large_batch(name, tmp_path):
     err = COMBINATIONS[name][0](tmp_path)
@@ -299,7 +308,6 @@ def test_composition_matches_large_batch(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_composition_error_table(tmp_path):
     """Ours next to the stock trainer on every combination (the table in docs/trl_peft.md)."""
     rows = ["| combination | GradAccum (ours) | stock trainer |", "|---|---|---|"]
@@ -312,7 +320,7 @@ def test_composition_error_table(tmp_path):
 
 @pytest.mark.parametrize("loss_type", [("sigmoid", "sft"), ("aot",)])
 def test_dpo_batch_level_loss_types_are_refused(loss_type, tmp_path):
-    cls, kwargs = _dpo_trainer(make_gradaccum_trainer(DPOTrainer), GradAccumDPOConfig, tmp_path, loss_type=loss_type)
+    cls, kwargs = _dpo_trainer(GradAccumDPOTrainer, GradAccumDPOConfig, tmp_path, loss_type=loss_type)
     with pytest.raises(ValueError, match="cannot be accumulated exactly"):
         cls(**kwargs)
 

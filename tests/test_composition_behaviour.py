@@ -24,13 +24,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_gradaccum import (
-    GradAccumArguments,
-    GradAccumFields,
-    GradAccumSeq2SeqArguments,
-    GradAccumTrainer,
-    with_gradaccum_fields,
-)
+from hf_gradaccum import GradAccumArguments, GradAccumFields, GradAccumTrainer
 from hf_gradaccum.adapters.model_inspection import loss_shifts_labels, unwrap_model
 from tests.composition_cases import (
     NUM_SAMPLES,
@@ -47,6 +41,9 @@ from tests.composition_cases import (
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
+from tests import composed_arguments  # noqa: E402  (imports trl)
+from tests.composed_arguments import GradAccumSeq2SeqArguments, GradAccumSFTConfig  # noqa: E402
+
 
 def _gradaccum_field_names() -> set[str]:
     return {f.name for f in fields(GradAccumFields)}
@@ -58,12 +55,9 @@ def _defaults(cls) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(args) if f.name not in _gradaccum_field_names()}
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("config_name", ["SFTConfig", "DPOConfig", "RewardConfig"])
 def test_trl_configs_keep_every_trl_default(config_name):
-    import hf_gradaccum
-
-    ours, theirs = getattr(hf_gradaccum, f"GradAccum{config_name}"), getattr(trl, config_name)
+    ours, theirs = getattr(composed_arguments, f"GradAccum{config_name}"), getattr(trl, config_name)
     assert _defaults(ours) == _defaults(theirs)
     # The TRL-specific defaults that a (GradAccumArguments, SFTConfig) dataclass used to reset:
     args = ours("out", use_cpu=True)
@@ -83,18 +77,13 @@ def test_gradaccum_arguments_unchanged_and_validated():
     with pytest.raises(ValueError, match="count_shifted_labels"):
         GradAccumArguments("out", count_shifted_labels="yes", use_cpu=True)
     with pytest.raises(ValueError, match="overflow_policy"):
-        trl_cls = with_gradaccum_fields(trl.SFTConfig)
-        trl_cls("out", overflow_policy="nope", use_cpu=True)
+        GradAccumSFTConfig("out", overflow_policy="nope", use_cpu=True)
 
 
-def test_generated_arguments_class_pickles_like_the_trainer_saves_it():
-    cls = with_gradaccum_fields(Seq2SeqTrainingArguments)
-    assert with_gradaccum_fields(Seq2SeqTrainingArguments) is cls  # one class per parent
-    args = cls("out", predict_with_generate=True, max_recompute_attempts=3, use_cpu=True)
+def test_composed_arguments_class_pickles_like_the_trainer_saves_it():
+    args = GradAccumSeq2SeqArguments("out", predict_with_generate=True, max_recompute_attempts=3, use_cpu=True)
     again = pickle.loads(pickle.dumps(args))  # Trainer.save_model writes training_args.bin with torch.save
     assert again.max_recompute_attempts == 3 and again.predict_with_generate
-    with pytest.raises(TypeError, match="args_cls"):
-        with_gradaccum_fields(dict)
 
 
 # ------------------------------------------------------------------------------------------- seeing through wrappers
@@ -218,8 +207,6 @@ class _CountingOffload:
 def _sft(order, tmp_path, **overrides):
     from trl import SFTTrainer
 
-    from hf_gradaccum import GradAccumSFTConfig
-
     bases = (GradAccumTrainer, SFTTrainer) if order == "gradaccum_first" else (SFTTrainer, GradAccumTrainer)
     cls = type("Composed", bases, {})
     args = GradAccumSFTConfig(str(tmp_path), bf16=False, **{**TRAIN_ARGS, **overrides})
@@ -229,7 +216,6 @@ def _sft(order, tmp_path, **overrides):
     )
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("order", ["gradaccum_first", "sft_first"])
 def test_sft_training_step_context_and_metrics_are_kept(order, tmp_path):
     trainer = _sft(order, tmp_path, logging_strategy="steps", logging_steps=1)
@@ -267,7 +253,6 @@ def test_parent_training_step_that_bypasses_accelerator_backward_is_refused(tmp_
     reason="transformers 4.x: the stock Trainer drops the partial last window after a mid-epoch resume",
     strict=True,
 )
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_composed_sft_resume_is_bitwise_and_output_dir_is_clean(tmp_path):
     common = {"optim": "adamw_torch", "learning_rate": 1e-2, "save_strategy": "steps", "save_steps": 1}
     full = _sft("gradaccum_first", tmp_path / "full", **common)

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from hf_gradaccum.engine.accumulator import GradientAccumulator
-from hf_gradaccum.engine.coupled import CoupledLoss, capture_rng_state, restore_rng_state
+from hf_gradaccum.engine.coupled import CoupledLoss
 from hf_gradaccum.engine.loss_scaling import DynamicLossScaler
+from hf_gradaccum.engine.rng import capture_rng_state, restore_rng_state
 from tests.workers.coupled_cases import (
     CASES,
     TwoTower,

@@ -178,7 +178,6 @@ def _run_trainer(tmp, mode: str) -> float:
     return update_error(initial, trainer.model, sgd_reference(start, windows, large_batch_loss))
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_trainer_exact_mode_matches_the_large_batch(tmp_path):
     exact = _run_trainer(tmp_path / "window", "window")
     default = _run_trainer(tmp_path / "micro_batch", "micro_batch")
@@ -189,13 +188,12 @@ def test_trainer_exact_mode_matches_the_large_batch(tmp_path):
     assert default > 100 * exact and default > 1e-4
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_sft_trainer_exact_mode_does_not_divide_the_router_loss(tmp_path):
     """TRL's SFTTrainer adds `coef * aux / current_gradient_accumulation_steps`; in window mode that term is off and
     the exact one takes its place, so the router loss is neither divided twice nor counted twice."""
     from trl import SFTTrainer
 
-    from hf_gradaccum import GradAccumSFTConfig
+    from tests.composed_arguments import GradAccumSFTConfig
 
     class MoESFT(MoEWindowBalanceMixin, GradAccumTrainer, SFTTrainer):
         pass

@@ -18,7 +18,8 @@ from transformers import (
     ResNetForImageClassification,
 )
 
-from hf_gradaccum import GradientAccumulator, count_items, verify_split_invariance
+from hf_gradaccum import GradientAccumulator, verify_split_invariance
+from hf_gradaccum.engine.items import count_items
 from hf_gradaccum.verification import tolerance_for
 from tests.composition_cases import VOCAB, tiny_gpt2, tiny_llama, tiny_mixtral, tiny_t5
 from tests.parity_cases import tiny_resnet_groupnorm

@@ -8,12 +8,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from transformers import Seq2SeqTrainingArguments, TrainingArguments
+from transformers import TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
-from ..engine.overlap import validate_bucket_cap_mb
 from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -29,7 +28,7 @@ class GradAccumFields:
     `TrainingArguments` subclass without changing that subclass's defaults: TRL's `SFTConfig` (learning rate 2e-5,
     bf16, gradient checkpointing, ...), `DPOConfig`, `Seq2SeqTrainingArguments` (`predict_with_generate`), yours.
     Put it first in the bases (then its checks run in `__post_init__`; `GradAccumTrainer` checks them again either
-    way); [`with_gradaccum_fields`] does it for you.
+    way).
 
     Example:
 
@@ -135,15 +134,6 @@ class GradAccumFields:
         default=False,
         metadata={"help": "Raise (instead of warning) when the check finds accumulation not exact for this model."},
     )
-    overlap_reduction: bool | None = field(
-        default=False,
-        metadata={
-            "help": "DDP: all-reduce the accumulation buffer in buckets during the window's last backward (as DDP "
-            "overlaps its own), in buckets of the stock `ddp_bucket_cap_mb` (default 25). Same results. Off by "
-            "default until it is measured on a GPU (on CPU it measured no faster); None: on for GPUs, off on CPU. "
-            "Always off with `auto_find_batch_size`, whose out-of-memory retry redoes a window."
-        },
-    )
     fsdp_reduce_schedule: str = field(
         default="every_micro_batch",
         metadata={
@@ -244,9 +234,6 @@ def validate_gradaccum_fields(args: Any) -> None:
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
-    overlap = gradaccum_option(args, "overlap_reduction")
-    if overlap is not None and not isinstance(overlap, bool):
-        raise ValueError(f"`overlap_reduction` must be unset (auto), True or False, got {overlap!r}.")
     for name in (
         "take_back_skipped_steps",
         "refuse_resume_with_different_batch",
@@ -256,8 +243,6 @@ def validate_gradaccum_fields(args: Any) -> None:
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
-    if getattr(args, "ddp_bucket_cap_mb", None) is not None:
-        validate_bucket_cap_mb(args.ddp_bucket_cap_mb)
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:
         raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")
@@ -277,56 +262,3 @@ _DEFAULTS = {f.name: f.default for f in fields(GradAccumFields)}
 def gradaccum_option(args: Any, name: str) -> Any:
     """`args.<name>`, or the [`GradAccumFields`] default when `args` is a plain `TrainingArguments`."""
     return getattr(args, name, _DEFAULTS[name])
-
-
-def with_gradaccum_fields(args_cls: type, name: str | None = None) -> type:
-    """
-    A dataclass `(GradAccumFields, args_cls)`: `args_cls` (any `TrainingArguments` subclass) with the accumulation
-    options added and every one of its own defaults kept.
-
-    Example:
-
-    ```python
-    >>> from transformers import Seq2SeqTrainingArguments
-    >>> from hf_gradaccum.adapters.arguments import with_gradaccum_fields
-    >>> Args = with_gradaccum_fields(Seq2SeqTrainingArguments)
-    >>> Args.__name__
-    'GradAccumSeq2SeqTrainingArguments'
-    >>> Args("out", predict_with_generate=True, use_cpu=True).accumulation_dtype
-    'float32'
-    ```
-    """
-    if not (isinstance(args_cls, type) and issubclass(args_cls, TrainingArguments)):
-        raise TypeError(f"`args_cls` must be a TrainingArguments subclass, got {args_cls!r}.")
-    if issubclass(args_cls, GradAccumFields):
-        return args_cls
-    name = name or f"GradAccum{args_cls.__name__}"
-    cached = _GENERATED.get((args_cls, name))
-    if cached is not None:
-        return cached
-    # Defined as a module attribute so that pickling the arguments (the Trainer saves `training_args.bin` in every
-    # checkpoint) finds the class again.
-    cls = type(name, (GradAccumFields, args_cls), {"__module__": __name__, "__qualname__": name})
-    cls.__doc__ = f"`{args_cls.__name__}` with the fields of [`GradAccumFields`]; all of its own defaults are kept."
-    cls = dataclass(cls)
-    _GENERATED[(args_cls, name)] = globals()[name] = cls
-    return cls
-
-
-_GENERATED: dict[tuple[type, str], type] = {}
-
-
-@dataclass
-class GradAccumSeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
-    """
-    `Seq2SeqTrainingArguments` (`predict_with_generate`, `generation_max_length`, ...) with the fields of
-    [`GradAccumFields`], for `class MyTrainer(GradAccumTrainer, Seq2SeqTrainer)`.
-
-    Example:
-
-    ```python
-    >>> from hf_gradaccum.adapters.arguments import GradAccumSeq2SeqArguments
-    >>> GradAccumSeq2SeqArguments("out", predict_with_generate=True, use_cpu=True).predict_with_generate
-    True
-    ```
-    """

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.coupled import CoupledLoss, CoupledWindow, rows_in
+from .model_inspection import unwrap_model
 from .trainer import GradAccumTrainer
 
 __all__ = [
@@ -30,13 +31,6 @@ __all__ = [
     "ranking_coupled_loss",
     "ranking_window_loss",
 ]
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module under DDP / torch.compile wrappers (for attributes such as `logit_scale`)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(model, "_orig_mod", model)
 
 
 # ---------------------------------------------------------------------------------------------------- CLIP
@@ -70,9 +64,9 @@ def clip_coupled_loss(model: nn.Module | None = None, **kwargs: Any) -> CoupledL
     >>> coupled = clip_coupled_loss(model)  # then coupled.accumulate_window(accumulator, model, micro_batches)
     ```
     """
-    if model is not None and not isinstance(getattr(_unwrap(model), "logit_scale", None), torch.Tensor):
+    if model is not None and not isinstance(getattr(unwrap_model(model), "logit_scale", None), torch.Tensor):
         raise ValueError(
-            f"`model` ({type(_unwrap(model)).__name__}) has no `logit_scale`: is it a transformers `CLIPModel`?"
+            f"`model` ({type(unwrap_model(model)).__name__}) has no `logit_scale`: is it a transformers `CLIPModel`?"
         )
 
     def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -80,7 +74,7 @@ def clip_coupled_loss(model: nn.Module | None = None, **kwargs: Any) -> CoupledL
         return {"text": out.text_embeds, "image": out.image_embeds}
 
     def loss(reps: Mapping[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
-        return clip_window_loss(reps["text"], reps["image"], _unwrap(model).logit_scale)
+        return clip_window_loss(reps["text"], reps["image"], unwrap_model(model).logit_scale)
 
     return CoupledLoss(embed, loss, **kwargs)
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..engine.items import count_items_in_batch
+from ..engine.rng import capture_rng_state, restore_rng_state
 from ..helpers.moe_balance import RouterCounts, check_moe_load_balance, exact_aux_term, router_counts
 from .model_inspection import unwrap_model
 from .trainer import GradAccumTrainer
@@ -87,17 +88,6 @@ def capture_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -179,7 +169,7 @@ class WindowRouterBalance:
             num_items = [self.count_items(b) for b in batches]
         if len(num_items) != len(batches):
             raise ValueError(f"`num_items` has {len(num_items)} entries for {len(batches)} micro-batches.")
-        rng = _rng_states()
+        rng = capture_rng_state()
         device = self._device()
         total: RouterCounts | None = None
         try:
@@ -191,7 +181,7 @@ class WindowRouterBalance:
                 counts = router_counts(logits, logits[0].shape[-1], self.top_k, inputs.get("attention_mask"), n)
                 total = counts if total is None else total + counts
         finally:
-            _restore_rng(rng)
+            restore_rng_state(rng)
         self.window = total.all_reduce()
         return list(num_items)
 

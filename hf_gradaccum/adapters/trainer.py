@@ -36,7 +36,6 @@ from ..engine.accumulator import GradientAccumulator, WindowResult
 from ..engine.items import count_items_in_batch
 from ..engine.loss_scaling import DynamicLossScaler
 from ..engine.oom_retry import WindowOOMRetry
-from ..engine.overlap import DEFAULT_BUCKET_CAP_MB
 from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
@@ -168,11 +167,6 @@ class GradAccumTrainer(Trainer):
             loss_scaler=loss_scaler,
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
-            # An OOM retry redoes the window, which a reduction started during its last backward cannot allow.
-            overlap_reduction=False
-            if self.args.auto_find_batch_size
-            else gradaccum_option(self.args, "overlap_reduction"),
-            bucket_cap_mb=self.args.ddp_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
         )
 
@@ -475,9 +469,6 @@ class GradAccumTrainer(Trainer):
                 "oom/gradient_accumulation_steps": float(plan.gradient_accumulation_steps),
             }
         )
-        if self.accumulator is not None:
-            # A window redone after an OOM cannot have its reduction started during its last backward.
-            self.accumulator.stop_overlapping()
         return plan.micro_batch_size
 
     def _restart_after_oom(self) -> None:
@@ -583,9 +574,6 @@ class GradAccumTrainer(Trainer):
         acc.load_state_dict(accumulator_state)
         if state.get("micro_batch_size") in (None, self._train_batch_size):
             self.oom_retry.chunk_size = state.get("micro_batch_chunk_size")
-        if self.micro_batch_chunk_size is not None:
-            # The run being resumed shrank its micro-batch after an OOM: each micro-batch is now several backwards.
-            acc.stop_overlapping()
         logger.info("Restored accumulator state from %s: %s", path, acc.metrics())
 
     # ------------------------------------------------------------------ logging
@@ -610,27 +598,3 @@ class _LoopRestartCallback(TrainerCallback):
             self._trainer._restart_after_oom()
         self._batch_size = batch_size
         return control
-
-
-def make_gradaccum_trainer(trainer_cls: type[Trainer], name: str | None = None) -> type[Trainer]:
-    """
-    `class GradAccum<Name>(GradAccumTrainer, trainer_cls)`: `trainer_cls` (TRL's `SFTTrainer`, `DPOTrainer`,
-    `RewardTrainer`, transformers' `Seq2SeqTrainer`, yours) with exact gradient accumulation. Its `training_step`
-    and `compute_loss` still run (contexts, metrics, auxiliary losses); writing `class T(GradAccumTrainer,
-    trainer_cls)` or `class T(trainer_cls, GradAccumTrainer)` yourself is equivalent.
-
-    Example:
-
-    ```python
-    >>> from transformers import Seq2SeqTrainer
-    >>> from hf_gradaccum.adapters.trainer import make_gradaccum_trainer
-    >>> make_gradaccum_trainer(Seq2SeqTrainer).__name__
-    'GradAccumSeq2SeqTrainer'
-    ```
-    """
-    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
-        raise TypeError(f"`trainer_cls` must be a transformers.Trainer subclass, got {trainer_cls!r}.")
-    if issubclass(trainer_cls, GradAccumTrainer):
-        return trainer_cls
-    name = name or f"GradAccum{trainer_cls.__name__}"
-    return type(name, (GradAccumTrainer, trainer_cls), {"__module__": __name__, "__qualname__": name})

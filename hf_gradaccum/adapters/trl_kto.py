@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..engine.rng import capture_rng_state, restore_rng_state
 from .arguments import gradaccum_option
 
 KTO_TRAINER = "KTOTrainer"
@@ -115,17 +116,6 @@ def install_window_pairing(trainer: Any) -> None:
     trainer._prepare_dataset = _prepare_dataset
 
 
-def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
-
-
 class WindowKLBaseline:
     """
     The KL baseline `z_0` of one accumulation window of a composed `KTOTrainer` (see the module docstring): computed
@@ -180,7 +170,7 @@ class WindowKLBaseline:
         model = trainer.model_wrapped if getattr(trainer, "model_wrapped", None) is not None else trainer.model
         device = trainer.accelerator.device
         was_training = model.training
-        rng = _rng_states()
+        rng = capture_rng_state()
         differences = []
         model.train()
         try:
@@ -191,7 +181,7 @@ class WindowKLBaseline:
                     reference = self._reference_kl_logps(trainer, batch)
                 differences.append((policy - reference).double())
         finally:
-            _restore_rng(rng)
+            restore_rng_state(rng)
             model.train(was_training)
         local = torch.cat(differences) if differences else torch.zeros(0, dtype=torch.float64, device=device)
         totals = torch.stack([local.sum(), torch.tensor(float(local.numel()), dtype=torch.float64, device=device)])

@@ -44,7 +44,7 @@ def _rank_main(rank: int, mode: str, device_name: str, backend: str, per_rank_gp
 
     from ..engine.accumulator import GradientAccumulator
     from ..engine.items import count_items_in_batch
-    from ..helpers.process_exit import leave_process_group_and_exit
+    from ..engine.process_exit import leave_process_group_and_exit
 
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if per_rank_gpu else torch.device(device_name)

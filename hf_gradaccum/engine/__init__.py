@@ -8,5 +8,6 @@
 - `window.py`: per-window bookkeeping and the `WindowResult` it ends with;
 - `recompute.py`: fp16 overflow handling that redoes only the overflowing micro-batch;
 - `reduction.py`: what the ranks exchange at the end of a window;
-- `loss_scaling.py`, `items.py`, `oom.py`, `checkpointing.py`, `validation.py`: one concern each.
+- `loss_scaling.py`, `items.py`, `oom_retry.py`, `checkpointing.py`, `validation.py`, `rng.py` (capture and restore
+  every random generator), `process_exit.py` (a clean exit for finished gloo scripts): one concern each.
 """

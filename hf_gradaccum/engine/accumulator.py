@@ -10,8 +10,7 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch; on GPUs in buckets launched during the window's last backward (`overlap.py`). FSDP2 models
-keep sharded buffers (`sharded.py`, `fsdp_schedule.py`). fp16 overflows redo one micro-batch (`recompute.py`); the
+once per micro-batch. FSDP2 models keep sharded buffers (`sharded.py`, `fsdp_schedule.py`). fp16 overflows redo one micro-batch (`recompute.py`); the
 window's running totals live in `window.py`.
 """
 
@@ -32,7 +31,6 @@ from .fsdp_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
-from .overlap import DEFAULT_BUCKET_CAP_MB, OverlappedReduction, validate_bucket_cap_mb
 from .recompute import UnfoldedBackward, accumulate_with_recompute, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
 from .sharded import (  # noqa: F401  (the refusals are re-exported from their old home)
@@ -80,17 +78,6 @@ class GradientAccumulator:
         reduce_gradients (`bool`, *optional*):
             All-reduce buffers and counts across `torch.distributed` ranks at the end of each window. Defaults to
             `True` when a process group with more than one rank is initialised.
-        overlap_reduction (`bool`, *optional*, defaults to `False`):
-            DDP (replicated buffers, more than one rank): all-reduce the buffer in buckets during the window's last
-            backward, as each bucket's gradients become final, instead of after it (`overlap.py`). Same results.
-            Off by default: it has been measured only on CPU with gloo, where it is no faster (1.05x DDP's step time
-            at one micro-batch per window, no gain at 4 and 16; docs/ddp_overlap.md), and it has never run on a GPU,
-            where it would matter; a default should be something that ran. `True` turns it on; `None` is the old
-            "auto" (on for accelerator buffers, off on CPU). Needs the process group at construction and the
-            accumulator constructed on every rank; windows cannot be discarded once their reduction has started, so
-            leave it off for out-of-memory retries.
-        bucket_cap_mb (`float`, *optional*, defaults to 25):
-            Bucket size for `overlap_reduction`, like DDP's `bucket_cap_mb`.
         fsdp_reduce_schedule (`str`, *optional*, defaults to `"every_micro_batch"`):
             FSDP2 models only: `"every_micro_batch"` reduce-scatters each micro-batch into the sharded fp32 buffer
             (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
@@ -132,8 +119,6 @@ class GradientAccumulator:
         overflow_policy: str = "recompute",
         max_recompute_attempts: int = 8,
         reduce_gradients: bool | None = None,
-        overlap_reduction: bool | None = False,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         fsdp_reduce_schedule: str = "every_micro_batch",
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
@@ -145,9 +130,6 @@ class GradientAccumulator:
         self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
-        if overlap_reduction is not None and not isinstance(overlap_reduction, bool):
-            raise ValueError(f"`overlap_reduction` must be None (auto), True or False, got {overlap_reduction!r}.")
-        bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
 
         refuse_sharded_engines(model)
         # What `backward(loss, batch=...)` counts: learned once from the model itself, by duck typing (the engine does
@@ -169,9 +151,6 @@ class GradientAccumulator:
         # `self.buffers`, so the loop below has one code path for both.
         self.buffers = gradient_buffers_for(model, self.parameters, self.accumulation_dtype, reduce_gradients)
         self.sharded = self.buffers.sharded
-        self._overlap = OverlappedReduction.for_accumulator(
-            self.buffers, reduce_gradients, overlap_reduction, bucket_cap_mb
-        )
         self.fsdp_schedule = make_fsdp_reduce_schedule(
             fsdp_reduce_schedule,
             model,
@@ -209,12 +188,8 @@ class GradientAccumulator:
         self.buffers.fold(index, param.grad, self._fold_alpha)
         self._window.touched[index] = True
         param.grad = None
-        if self._overlap is not None:
-            self._overlap.folded(index)
 
     def _start_window(self) -> None:
-        if self._overlap is not None:
-            self._overlap.abandon_window()  # raises rather than zero a buffer the other ranks are summing
         self.buffers.zero_()
         # Gradients left from the previous step (possibly views of the buffer) must not be accumulated into.
         for p in self.parameters:
@@ -362,8 +337,6 @@ class GradientAccumulator:
             self._start_window()
         self.micro_step += 1
         self._window.micro_steps += 1
-        if self._overlap is not None:
-            self._overlap.begin_micro_batch(last=self._window.micro_steps == self.gradient_accumulation_steps)
         if num_items is None:
             n = 1.0
         else:
@@ -422,8 +395,6 @@ class GradientAccumulator:
         Throw away everything accumulated in the current window (e.g. after an out-of-memory error in the middle of
         a backward pass, when part of a micro-batch may already be folded), so it can be recomputed from its start.
         """
-        if self._overlap is not None:
-            self._overlap.abandon_window()
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
@@ -431,16 +402,6 @@ class GradientAccumulator:
         self.fsdp_schedule.discard()
         for p in self.parameters:
             p.grad = None
-
-    def stop_overlapping(self) -> None:
-        """
-        Reduce at the window end from now on (DDP). For a caller that splits each micro-batch into several calls of
-        [`backward`] (the Trainer's out-of-memory chunks): the accumulator would count the chunks as micro-batches
-        and launch the buckets during the wrong one. Between windows only.
-        """
-        if self._overlap is not None:
-            self._overlap.ensure_idle("stop_overlapping()")
-            self._overlap = None
 
     # ------------------------------------------------------------------ window end
     def finish_window(self) -> WindowResult:
@@ -469,7 +430,6 @@ class GradientAccumulator:
             world,
             rank,
             reduce_buffers=self.buffers.reduced_at_window_end,
-            overlap=self._overlap,
         )
         if world > 1:
             self.num_gradient_reductions += 1
@@ -629,8 +589,6 @@ class GradientAccumulator:
         Everything needed to resume exactly: counters, the loss scaler, and (mid-window only) the buffers and the
         window's item and loss sums.
         """
-        if self._overlap is not None:
-            self._overlap.ensure_idle("state_dict()")
         state: dict[str, Any] = {
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "accumulation_dtype": str(self.accumulation_dtype).removeprefix("torch."),

@@ -33,8 +33,6 @@ caller can redo the window with smaller micro-batches (exact again: both passes 
 from __future__ import annotations
 
 import contextlib
-import random
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,45 +41,11 @@ import torch
 from torch import nn
 
 from .accumulator import GradientAccumulator
+from .rng import RNGState, capture_rng_state, restore_rng_state
 
-__all__ = ["CoupledLoss", "CoupledWindow", "RNGState", "capture_rng_state", "restore_rng_state"]
+__all__ = ["CoupledLoss", "CoupledWindow"]
 
 Representations = Any  # a tensor, or a (nested) tuple/list/dict of tensors
-
-
-# ---------------------------------------------------------------------------------------------------- RNG states
-@dataclass
-class RNGState:
-    """Every random-number generator a forward pass may draw from: torch CPU, torch CUDA (all devices, if CUDA is
-    initialised), numpy's global generator (if numpy is imported) and Python's `random`."""
-
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor] | None
-    numpy: Any
-    python: Any
-
-
-def capture_rng_state() -> RNGState:
-    """The current state of every generator of [`RNGState`]."""
-    numpy = sys.modules.get("numpy")
-    return RNGState(
-        torch_cpu=torch.get_rng_state(),
-        torch_cuda=torch.cuda.get_rng_state_all()
-        if torch.cuda.is_available() and torch.cuda.is_initialized()
-        else None,
-        numpy=numpy.random.get_state() if numpy is not None else None,
-        python=random.getstate(),
-    )
-
-
-def restore_rng_state(state: RNGState) -> None:
-    """Put every generator back to `state` (from [`capture_rng_state`])."""
-    torch.set_rng_state(state.torch_cpu)
-    if state.torch_cuda is not None:
-        torch.cuda.set_rng_state_all(state.torch_cuda)
-    if state.numpy is not None:
-        sys.modules["numpy"].random.set_state(state.numpy)
-    random.setstate(state.python)
 
 
 # ---------------------------------------------------------------------------------------------------- structures

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .buffers import FlatGradientBuffers
-from .overlap import OverlappedReduction
 from .window import WindowState
 
 
@@ -47,13 +46,11 @@ def reduce_window(
     rank: int,
     *,
     reduce_buffers: bool = True,
-    overlap: OverlappedReduction | None = None,
 ) -> tuple[ReducedWindow, int]:
     """
     Sum the gradient buffers and the window's statistics over ranks (a no-op for one rank). Returns the reduced
     statistics and the number of collectives launched. `reduce_buffers=False` sums only the statistics: FSDP2's
-    sharded buffers were already reduce-scattered at every micro-batch. With `overlap`, the buffers go in its
-    buckets (some already launched during the last backward), and the statistics are summed while they complete.
+    sharded buffers were already reduce-scattered at every micro-batch.
     """
     scales = [0.0] * world_size
     scales[rank] = scale
@@ -63,16 +60,12 @@ def reduce_window(
     )
     collectives = 0
     if world_size > 1:
-        if reduce_buffers and overlap is not None:
-            collectives = overlap.launch_remaining()
-        elif reduce_buffers:
+        if reduce_buffers:
             for buffer in buffers.flat.values():
                 torch.distributed.all_reduce(buffer)
             collectives = len(buffers.flat)
         torch.distributed.all_reduce(stats)
         collectives += 1
-        if overlap is not None:
-            overlap.wait()
     values = stats.tolist()
     reduced = ReducedWindow(
         items=values[0],

@@ -19,7 +19,6 @@ statistics, spectral-norm vectors), and the torch CPU/CUDA, numpy and Python `ra
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,10 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # numpy is optional for the engine's users; the probe saves its global RNG when it is there
-    import numpy as np
-except ImportError:  # pragma: no cover
-    np = None
+from ..engine.rng import capture_rng_state, restore_rng_state
 
 # Names of float attributes / config fields that are probabilities of something random happening in a forward:
 # dropout of every kind, layer drop, stochastic depth (drop_path_rate, drop_prob), masking probabilities
@@ -99,48 +95,6 @@ def _probability(value: Any) -> bool:
     return isinstance(value, float) and not isinstance(value, bool) and 0.0 < value <= 1.0
 
 
-@dataclass
-class RngStates:
-    """Every random generator a forward may draw from: torch CPU and CUDA, numpy's global RNG, Python's `random`."""
-
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor] | None
-    numpy: Any
-    python: Any
-
-    @classmethod
-    def capture(cls) -> RngStates:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch.get_rng_state(), cuda, np.random.get_state() if np is not None else None, random.getstate())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda is not None:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
-        if self.numpy is not None:
-            np.random.set_state(self.numpy)
-        random.setstate(self.python)
-
-    def advanced_since(self) -> list[str]:
-        """The generators whose state moved since this capture (what a forward drew from)."""
-        now = RngStates.capture()
-        moved = []
-        if not torch.equal(now.torch_cpu, self.torch_cpu):
-            moved.append("torch CPU RNG")
-        if self.torch_cuda is not None and now.torch_cuda is not None:
-            if any(not torch.equal(a, b) for a, b in zip(now.torch_cuda, self.torch_cuda, strict=False)):
-                moved.append("torch CUDA RNG")
-        if self.numpy is not None and not _numpy_states_equal(now.numpy, self.numpy):
-            moved.append("numpy global RNG (np.random)")
-        if now.python != self.python:
-            moved.append("Python `random`")
-        return moved
-
-
-def _numpy_states_equal(a: Any, b: Any) -> bool:
-    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
-
-
 @contextlib.contextmanager
 def isolated_probe(model: nn.Module) -> Iterator[ProbeTrace]:
     """
@@ -164,7 +118,7 @@ def isolated_probe(model: nn.Module) -> Iterator[ProbeTrace]:
     """
     modes = {module: module.training for module in model.modules()}
     trace = ProbeTrace(_buffers={n: b.detach().clone() for n, b in model.named_buffers()}, _model=model)
-    rng = RngStates.capture()
+    rng = capture_rng_state()
     saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original value), restored in reverse order
 
     def zero(owner: Any, attr: str, label: str) -> None:
@@ -203,4 +157,4 @@ def isolated_probe(model: nn.Module) -> Iterator[ProbeTrace]:
         trace.reset_buffers()
         for module, mode in modes.items():
             module.training = mode
-        rng.restore()
+        restore_rng_state(rng)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..engine.items import count_items_in_batch
+from ..engine.rng import capture_rng_state, generators_advanced_since
 from .diagnosis import (
     Cause,
     Diagnosis,
@@ -37,7 +38,7 @@ from .diagnosis import (
     top_disagreements,
 )
 from .gradients import CountFn, ForwardFailed, LossFn, accumulated_gradient, model_loss, to_device
-from .isolation import RngStates, isolated_probe
+from .isolation import isolated_probe
 from .windows import concat_window, cut, halve, merge_pairs, take_rows
 
 FP32_TOLERANCE = 1e-5
@@ -370,13 +371,13 @@ def verify_split_invariance(
 
 def _random_sources(model, loss_fn, rows, size, device) -> list[str]:
     """The random generators one forward draws from, with everything the probe neutralises switched off."""
-    before = RngStates.capture()
+    before = capture_rng_state()
     try:
         with torch.no_grad():
             loss_fn(model, to_device(take_rows(rows, 0, size), device))
     except Exception:  # the forward ran twice already; a failure here only means no source is named
         return []
-    return before.advanced_since()
+    return generators_advanced_since(before)
 
 
 def _probe_candidates(plan: dict[str, list[int]], min_rows: int) -> list[tuple[int, int]]:

@@ -14,8 +14,9 @@ import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from trl import SFTTrainer  # noqa: E402
 
-from hf_gradaccum import GradAccumSFTConfig, GradAccumTrainer  # noqa: E402
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum import GradAccumTrainer  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
+from tests.composed_arguments import GradAccumSFTConfig  # noqa: E402
 from tests.composition_cases import (  # noqa: E402
     TRAIN_ARGS,
     causal_lm_window_loss,

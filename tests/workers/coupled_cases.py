@@ -22,13 +22,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_gradaccum.engine.accumulator import GradientAccumulator  # noqa: E402
-from hf_gradaccum.engine.coupled import (  # noqa: E402
-    CoupledLoss,
-    RNGState,
-    capture_rng_state,
-    flatten_representations,
-    restore_rng_state,
-)
+from hf_gradaccum.engine.coupled import CoupledLoss, flatten_representations  # noqa: E402
+from hf_gradaccum.engine.rng import RNGState, capture_rng_state, restore_rng_state  # noqa: E402
 
 SIZES = (3, 5, 2)  # uneven micro-batches
 

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.multiprocess import free_port  # noqa: E402
 
 # A rank that crashed leaves the others blocked in a collective; they are terminated (SIGTERM, exit code -15, so

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.grpo_cases import GRPO_ORDERS, grpo_args, train_grpo  # noqa: E402
 
 KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")

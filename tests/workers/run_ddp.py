@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from tests.workers import ddp_workers  # noqa: E402
 
 if __name__ == "__main__":
-    from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit
+    from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
 
     getattr(ddp_workers, sys.argv[1])(*sys.argv[2:])
     # Leave together, and exit without the interpreter teardown in which gloo can abort a passed run.

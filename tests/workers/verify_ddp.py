@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from transformers import BertForTokenClassification  # noqa: E402
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.parity_cases import tiny_bert_config, token_cls_data  # noqa: E402
 
 
