@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainingArguments
-from trl import DPOConfig, RewardConfig, SFTConfig
+from trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 
 from hf_gradaccum import GradAccumFields
 
@@ -29,4 +29,9 @@ class GradAccumRewardConfig(GradAccumFields, RewardConfig):
 
 @dataclass
 class GradAccumSeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
+    pass
+
+
+@dataclass
+class GradAccumKTOConfig(GradAccumFields, KTOConfig):
     pass

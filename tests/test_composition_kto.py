@@ -17,10 +17,10 @@ import transformers
 
 pytest.importorskip("trl")
 
-from trl import KTOConfig, KTOTrainer  # noqa: E402
+from trl import KTOTrainer  # noqa: E402
 
 from hf_gradaccum import GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters.arguments import with_gradaccum_fields  # noqa: E402
+from tests.composed_arguments import GradAccumKTOConfig  # noqa: E402
 from tests.composition_cases import tiny_llama, word_tokenizer  # noqa: E402
 from tests.kto_cases import ORDERS, B, K, kto_dataset, train_kto  # noqa: E402
 
@@ -112,7 +112,7 @@ def _construct(cls, args) -> None:
     ],
 )
 def test_kto_kl_baseline_refusals_name_the_option(tmp_path, config, names):
-    config_cls = with_gradaccum_fields(KTOConfig)
+    config_cls = GradAccumKTOConfig
     for order, cls in ORDERS.items():
         args = config_cls(
             str(tmp_path / order),
