@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hf_gradaccum.helpers.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 from tests.kto_cases import ORDERS, B, K, train_kto  # noqa: E402
 
 
