@@ -12,7 +12,8 @@ The package has four parts; each may import only the ones listed before it (`tes
 The recipes' parity experiment harness lives outside the package, in `recipes/harness/`.
 
 Public names are imported lazily, so `import hf_gradaccum` costs nothing until a name is used. One way to do each
-thing: `GradAccumTrainer` (compose with another trainer by subclassing, `class T(GradAccumTrainer, SFTTrainer)`),
+thing: `GradAccumTrainer` (compose with another trainer by subclassing, `class T(GradAccumTrainer, SFTTrainer)`;
+a loss over the whole window as its `coupled_loss=`; exact MoE balancing as `moe_load_balance="window"`),
 `GradAccumArguments` (or the `GradAccumFields` mixin on another arguments class, e.g. TRL's `SFTConfig`), and
 `GradientAccumulator` for plain loops.
 """
@@ -39,12 +40,9 @@ _EXPORTS: dict[str, str] = {
     "GradAccumFields": ".adapters.arguments",
     # losses that couple the batch (in-batch negatives): gradient caching, docs/coupled_losses.md
     "CoupledLoss": ".engine.coupled",
-    "CoupledLossTrainer": ".adapters.coupled",
     "clip_coupled_loss": ".adapters.coupled",
     "ranking_coupled_loss": ".adapters.coupled",
     # exact window-level MoE load balancing, docs/moe_balance.md
-    "GradAccumMoETrainer": ".adapters.moe",
-    "MoEWindowBalanceMixin": ".adapters.moe",
     "WindowRouterBalance": ".adapters.moe",
     # exactness check
     "verify_split_invariance": ".verification",
@@ -66,14 +64,11 @@ __all__ = [
     "AccumulatorCheckpoint",
     "CannotShrinkMicroBatchError",
     "CoupledLoss",
-    "CoupledLossTrainer",
     "DynamicLossScaler",
     "GradAccumArguments",
     "GradAccumFields",
-    "GradAccumMoETrainer",
     "GradAccumTrainer",
     "GradientAccumulator",
-    "MoEWindowBalanceMixin",
     "SplitInvarianceResult",
     "WindowOOMRetry",
     "WindowResult",
@@ -106,8 +101,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .adapters.accumulation_check import AccumulationNotExactError
     from .adapters.arguments import GradAccumArguments, GradAccumFields
-    from .adapters.coupled import CoupledLossTrainer, clip_coupled_loss, ranking_coupled_loss
-    from .adapters.moe import GradAccumMoETrainer, MoEWindowBalanceMixin, WindowRouterBalance
+    from .adapters.coupled import clip_coupled_loss, ranking_coupled_loss
+    from .adapters.moe import WindowRouterBalance
     from .adapters.trainer import GradAccumTrainer
     from .engine.accumulator import GradientAccumulator
     from .engine.coupled import CoupledLoss

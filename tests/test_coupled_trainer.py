@@ -1,5 +1,5 @@
-"""Coupled-loss mode through the Trainer (`CoupledLossTrainer`): one optimizer step (SGD, lr 1, no clipping) over a
-window of uneven micro-batches (4, 4, 2) with dropout ON equals the large-batch step over the same 10 samples with
+"""Coupled-loss mode through the Trainer (`GradAccumTrainer(coupled_loss=...)`): one optimizer step (SGD, lr 1, no
+clipping) over a window of uneven micro-batches (4, 4, 2) with dropout ON equals the large-batch step over the same 10 samples with
 the same dropout masks (one graph, each micro-batch's forward from the RNG state it had in pass 1); plain
 accumulation through `GradAccumTrainer` (each micro-batch's own in-batch loss) is shown next to it."""
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.adapters.coupled import CoupledLossTrainer
 from tests.workers.coupled_cases import (
     CASES,
     clip_batches,
@@ -81,12 +80,10 @@ def test_trainer_coupled_step_equals_large_batch(tmp_path, case):
     model, coupled, _ = CASES[case](0.1, check_recompute=True)
     model0 = copy.deepcopy(model)
     rows = _rows(case)
-    trainer = CoupledLossTrainer(
-        model=model, args=_args(tmp_path / "coupled"), train_dataset=rows, coupled_loss=coupled
-    )
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path / "coupled"), train_dataset=rows, coupled_loss=coupled)
     trainer.train()
     window = coupled.last_window
-    batches = trainer._coupled_batches
+    batches = trainer.coupled_mode.batches
     assert [len(next(iter(b.values()))) for b in batches] == [4, 4, 2]
     assert window.recompute_max_abs_diff == [0.0, 0.0, 0.0]  # pass 2 == pass 1, bitwise, dropout on
     ref_update = -reference_gradient(model0, coupled, batches, window.rng_states)
@@ -112,14 +109,14 @@ def test_trainer_refuses_auto_find_batch_size(tmp_path):
     args = _args(tmp_path)
     args.auto_find_batch_size = True
     with pytest.raises(ValueError, match="auto_find_batch_size"):
-        CoupledLossTrainer(model=model, args=args, train_dataset=_rows("generic"), coupled_loss=coupled)
+        GradAccumTrainer(model=model, args=args, train_dataset=_rows("generic"), coupled_loss=coupled)
     with pytest.raises(ValueError, match="coupled_loss"):
-        CoupledLossTrainer(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=None)
+        GradAccumTrainer(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=object())
 
 
 @pytest.mark.parametrize("case", ["clip", "ranking"])
 def test_trainer_verify_accumulation_uses_the_coupled_check(tmp_path, case):
-    """`verify_accumulation='first_step'` on `CoupledLossTrainer` runs the coupled check (exact, written to
+    """`verify_accumulation='first_step'` in the coupled-loss mode runs the coupled check (exact, written to
     accumulation_check.json) and leaves the step exact; the ordinary check on plain accumulation of the same in-batch
     loss reports NOT exact."""
     import json
@@ -130,13 +127,13 @@ def test_trainer_verify_accumulation_uses_the_coupled_check(tmp_path, case):
     rows = _rows(case)
     args = _args(tmp_path / "coupled")
     args.verify_accumulation, args.verify_raise = "first_step", True
-    trainer = CoupledLossTrainer(model=model, args=args, train_dataset=rows, coupled_loss=coupled)
+    trainer = GradAccumTrainer(model=model, args=args, train_dataset=rows, coupled_loss=coupled)
     trainer.train()  # would raise AccumulationNotExactError if the check said not exact
     record = json.loads((tmp_path / "coupled" / "accumulation_check.json").read_text())
     assert record["passed"] and record["max_rel_diff"] <= TOL, record
     assert any("coupled-loss mode" in note for note in record["notes"]), record
     # The check left the step what it is without it: the large-batch step.
-    ref_update = -reference_gradient(model0, coupled, trainer._coupled_batches, coupled.last_window.rng_states)
+    ref_update = -reference_gradient(model0, coupled, trainer.coupled_mode.batches, coupled.last_window.rng_states)
     assert relative_error(_update(model0, trainer.model), ref_update) <= TOL
 
     plain_args = _args(tmp_path / "plain")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator, count_items_in_batch
-from hf_gradaccum.adapters.moe import GradAccumMoETrainer, MoEWindowBalanceMixin, WindowRouterBalance
-from hf_gradaccum.helpers.moe_balance import exact_aux_term, router_counts
+from hf_gradaccum.adapters.moe import WindowRouterBalance
+from hf_gradaccum.engine.moe_balance import exact_aux_term, router_counts
 from tests.composition_cases import (
     NUM_SAMPLES,
     TRAIN_ARGS,
@@ -159,21 +159,20 @@ def test_zero_item_micro_batch_with_routed_tokens_is_refused(start_and_windows):
         balance.micro_batch_loss(batch, 0)
 
 
-def test_bad_mode_is_refused():
+def test_bad_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="moe_load_balance"):
-        MoEWindowBalanceMixin.__init__(object.__new__(MoEWindowBalanceMixin), moe_load_balance="global")
+        GradAccumArguments(str(tmp_path), moe_load_balance="global")
 
 
 def _run_trainer(tmp, mode: str) -> float:
     torch.manual_seed(0)
-    args = GradAccumArguments(str(tmp), **TRAIN_ARGS)
+    args = GradAccumArguments(str(tmp), moe_load_balance=mode, **TRAIN_ARGS)
     trainer, windows, initial, start = train_and_collect(
-        GradAccumMoETrainer,
+        GradAccumTrainer,
         args,
         model=tiny_mixtral(),
         train_dataset=_rows(NUM_SAMPLES),
         data_collator=_collate,
-        moe_load_balance=mode,
     )
     return update_error(initial, trainer.model, sgd_reference(start, windows, large_batch_loss))
 
@@ -181,9 +180,7 @@ def _run_trainer(tmp, mode: str) -> float:
 def test_trainer_exact_mode_matches_the_large_batch(tmp_path):
     exact = _run_trainer(tmp_path / "window", "window")
     default = _run_trainer(tmp_path / "micro_batch", "micro_batch")
-    print(
-        f"GradAccumMoETrainer, relative update error vs the large batch: window {exact:.2e}, micro_batch {default:.2e}"
-    )
+    print(f"GradAccumTrainer, relative update error vs the large batch: window {exact:.2e}, micro_batch {default:.2e}")
     assert exact <= RTOL
     assert default > 100 * exact and default > 1e-4
 
@@ -195,18 +192,17 @@ def test_sft_trainer_exact_mode_does_not_divide_the_router_loss(tmp_path):
 
     from tests.composed_arguments import GradAccumSFTConfig
 
-    class MoESFT(MoEWindowBalanceMixin, GradAccumTrainer, SFTTrainer):
+    class MoESFT(GradAccumTrainer, SFTTrainer):
         pass
 
     torch.manual_seed(0)
-    args = GradAccumSFTConfig(str(tmp_path), bf16=False, **TRAIN_ARGS)
+    args = GradAccumSFTConfig(str(tmp_path), bf16=False, moe_load_balance="window", **TRAIN_ARGS)
     trainer, windows, initial, start = train_and_collect(
         MoESFT,
         args,
         model=tiny_mixtral(),
         train_dataset=text_dataset(NUM_SAMPLES),
         processing_class=word_tokenizer(),
-        moe_load_balance="window",
     )
     assert trainer.aux_loss_enabled  # TRL would add its own (divided) router term: the mode must replace it
     error = update_error(initial, trainer.model, sgd_reference(start, windows, large_batch_loss))
@@ -260,3 +256,20 @@ def test_training_forwards_route_as_counted_with_router_jitter(start_and_windows
     balance.prepare_window(window)
     torch.manual_seed(12345)  # other noise than the counted pass drew: the routing no longer matches the counts
     assert not torch.equal(training_counts(), balance.window.expert_counts)
+
+
+def test_window_mode_behind_another_trainer_is_refused(tmp_path):
+    """The window mode replaces the router term in `compute_loss`: behind SFTTrainer in the class order, SFTTrainer's
+    `compute_loss` would run first and add its own term, so the composition is refused with the order to use."""
+    from trl import SFTTrainer
+
+    from tests.composed_arguments import GradAccumSFTConfig
+
+    class SFTFirst(SFTTrainer, GradAccumTrainer):
+        pass
+
+    args = GradAccumSFTConfig(str(tmp_path), bf16=False, moe_load_balance="window", **TRAIN_ARGS)
+    with pytest.raises(ValueError, match=r"moe_load_balance='window' needs GradAccumTrainer before SFTTrainer"):
+        SFTFirst(
+            model=tiny_mixtral(), args=args, train_dataset=text_dataset(NUM_SAMPLES), processing_class=word_tokenizer()
+        )

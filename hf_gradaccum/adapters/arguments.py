@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
+from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from .training_checks import validate_training_numbers
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -143,6 +144,15 @@ class GradAccumFields:
             "choices": ["every_micro_batch", "once_per_window"],
         },
     )
+    moe_load_balance: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "Mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE, ...). 'micro_batch': the model's own "
+            "per-micro-batch router auxiliary loss, weighted by items (free, not the large batch's). 'window': the "
+            "window's exact auxiliary loss (one extra forward-only pass per micro-batch; docs/moe_balance.md).",
+            "choices": list(MOE_LOAD_BALANCE_MODES),
+        },
+    )
 
     take_back_skipped_steps: bool = field(
         default=False,
@@ -243,6 +253,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
+    check_moe_load_balance(gradaccum_option(args, "moe_load_balance"))
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:
         raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")

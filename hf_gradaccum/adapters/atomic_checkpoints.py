@@ -18,7 +18,6 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..engine.checkpointing import publish_directory
 from .compat import rotate_checkpoints
 
 STAGING_DIR_NAME = ".incomplete-checkpoints"
@@ -55,3 +54,45 @@ def save_checkpoint_atomically(trainer: Any, save: Callable[[], None], trial: An
         trainer.state.save_to_json(os.path.join(final, "trainer_state.json"))
         rotate_checkpoints(trainer, run_dir)
     trainer.accelerator.wait_for_everyone()
+
+
+def publish_directory(staged: str, final: str) -> None:
+    """
+    Move a completely written directory `staged` to `final` with renames only, so `final` is never observed
+    half-written. An existing `final` (a re-save of the same step) is first moved aside, then deleted.
+
+    Example:
+
+    ```python
+    >>> import os, tempfile
+    >>> from hf_gradaccum.adapters.atomic_checkpoints import publish_directory
+    >>> root = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(root, "staging", "checkpoint-1"))
+    >>> publish_directory(os.path.join(root, "staging", "checkpoint-1"), os.path.join(root, "checkpoint-1"))
+    >>> os.listdir(root)
+    ['staging', 'checkpoint-1']
+    ```
+    """
+    old = None
+    if os.path.exists(final):
+        old = staged + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staged, final)
+    _fsync_directory(os.path.dirname(os.path.abspath(final)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_directory(path: str) -> None:
+    # Makes the rename itself durable on POSIX filesystems (the directory entry is what changed).
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

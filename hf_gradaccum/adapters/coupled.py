@@ -6,8 +6,8 @@
   pooling, cosine similarity times `scale`, symmetric or not), as sentence-transformers'
   `MultipleNegativesRankingLoss` / `MultipleNegativesSymmetricRankingLoss`.
 - Any other loss: [`~hf_gradaccum.engine.coupled.CoupledLoss`] with your own `embed_fn` and `loss_fn`.
-- [`CoupledLossTrainer`]: [`GradAccumTrainer`] with a `coupled_loss`: pass 1 over the window the Trainer prefetches
-  (`get_batch_samples`), pass 2 per micro-batch in `compute_loss`.
+- [`CoupledWindowMode`]: what `GradAccumTrainer(coupled_loss=...)` runs: pass 1 over the window the Trainer
+  prefetches (`get_batch_samples`), pass 2 per micro-batch in `compute_loss`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from torch import nn
 
 from ..engine.coupled import CoupledLoss, CoupledWindow, rows_in
 from .model_inspection import unwrap_model
-from .trainer import GradAccumTrainer
 
 __all__ = [
-    "CoupledLossTrainer",
+    "CoupledWindowMode",
     "clip_coupled_loss",
     "clip_window_loss",
     "mean_pool",
@@ -140,107 +139,91 @@ def ranking_coupled_loss(
     return CoupledLoss(embed, loss, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- Trainer
-class CoupledLossTrainer(GradAccumTrainer):
+# ---------------------------------------------------------------------------------------------------- Trainer mode
+class CoupledWindowMode:
     """
-    [`GradAccumTrainer`] for a loss over the whole window (in-batch negatives), exact to the large batch of
-    `per_device_train_batch_size * gradient_accumulation_steps * world_size` samples.
+    The coupled-loss mode of [`GradAccumTrainer`] (its `coupled_loss=` argument): a loss over the whole window
+    (in-batch negatives), exact to the large batch of `per_device_train_batch_size * gradient_accumulation_steps *
+    world_size` samples. The Trainer calls it from its public hooks:
 
-    Overrides only public Trainer hooks:
-    - `get_batch_samples`: keeps the window the Trainer prefetches (pass 1 needs all of it before any backward);
-    - `training_step`: before the window's first micro-batch, runs pass 1 and the window loss; after its last,
-      leaves the RNG where one pass over the window would have;
-    - `compute_loss`: returns the micro-batch's pass-2 surrogate (which `GradAccumTrainer` weights and accumulates
-      as any loss); outside training (evaluation) the coupled loss of the batch alone;
+    - `get_batch_samples` -> [`window_prefetched`]: keep the window the Trainer prefetches (pass 1 needs all of it
+      before any backward);
+    - `training_step` -> [`training_step`]: before the window's first micro-batch, pass 1 and the window loss; after
+      its last, the RNG left where one pass over the window would have left it;
+    - `compute_loss` -> [`compute_loss`]: the micro-batch's pass-2 surrogate, which the accumulator weights as any
+      loss; outside training (evaluation) the coupled loss of the batch alone (when `owns_loss`);
     - `count_micro_batch_items`: the coupled loss's items (rows by default).
 
-    Use a data collator that returns the dict the `embed_fn` expects, and `remove_unused_columns=False`.
-    `auto_find_batch_size` is refused: splitting a micro-batch into chunks would change its dropout masks.
-
-    Example:
-
-    ```python
-    >>> from hf_gradaccum import GradAccumArguments
-    >>> from hf_gradaccum.adapters.coupled import CoupledLossTrainer, ranking_coupled_loss
-    >>> args = GradAccumArguments("out", per_device_train_batch_size=16, gradient_accumulation_steps=8,
-    ...                           remove_unused_columns=False)
-    >>> trainer = CoupledLossTrainer(model=encoder, args=args, train_dataset=pairs, data_collator=collate,
-    ...                              coupled_loss=ranking_coupled_loss(scale=20.0))  # doctest: +SKIP
-    ```
+    Args:
+        coupled_loss ([`~hf_gradaccum.engine.coupled.CoupledLoss`]): the window loss.
+        owns_loss (`bool`, *optional*, defaults to `True`): whether the loss outside pass 2 (evaluation) is the
+            coupled loss too; `False` when the composed trainer has a loss of its own (sentence-transformers).
     """
 
-    def __init__(self, *args: Any, coupled_loss: CoupledLoss, **kwargs: Any) -> None:
+    def __init__(self, coupled_loss: CoupledLoss, *, owns_loss: bool = True) -> None:
         if not isinstance(coupled_loss, CoupledLoss):
-            raise ValueError(f"`coupled_loss` must be a CoupledLoss, got {type(coupled_loss).__name__}.")
-        super().__init__(*args, **kwargs)
-        if self.args.auto_find_batch_size:
             raise ValueError(
-                "`auto_find_batch_size=True` cannot be used with CoupledLossTrainer: the out-of-memory retry splits "
-                "a micro-batch into chunks, whose recomputed representations would draw other dropout masks than "
-                "pass 1. Choose a micro-batch that fits (the window's representations are the only extra memory)."
+                f"`coupled_loss` must be a hf_gradaccum CoupledLoss (e.g. `ranking_coupled_loss()`), got "
+                f"{type(coupled_loss).__name__}."
             )
-        self._init_coupled_state(coupled_loss)
-
-    def _init_coupled_state(self, coupled_loss: CoupledLoss) -> None:
         self.coupled_loss = coupled_loss
-        self._coupled_batches: list[Any] = []
-        self._coupled_index = 0
-        self._coupled_window: CoupledWindow | None = None
-        self._coupled_current: int | None = None
+        self.owns_loss = owns_loss
+        self.batches: list[Any] = []
+        self._index = 0
+        self._window: CoupledWindow | None = None
+        self._current: int | None = None
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._coupled_batches = list(batch_samples)
-        self._coupled_index = 0
-        self._coupled_window = None
-        return batch_samples, num_items
+    @property
+    def in_pass_two(self) -> bool:
+        """Whether a micro-batch of a prepared window is running (its loss is the pass-2 surrogate)."""
+        return self._current is not None and self._window is not None
 
-    def count_micro_batch_items(self, inputs: dict[str, Any]) -> int:
-        return self.coupled_loss.num_items_fn(inputs)
+    def window_prefetched(self, batches: list[Any]) -> None:
+        self.batches, self._index, self._window = list(batches), 0, None
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        batches = self._coupled_batches
-        index = self._coupled_index
+    def training_step(self, trainer: Any, model: nn.Module, inputs: Any, step: Any) -> torch.Tensor:
+        """Run `step()` (the accumulating micro-step) for `inputs`, with pass 1 before the window's first."""
+        batches, index = self.batches, self._index
         if index >= len(batches):
             # Called outside `train()`'s window loop (e.g. directly): the micro-batch is a window of its own.
             batches, index = [inputs], 0
-            self._coupled_batches, self._coupled_window = batches, None
+            self.batches, self._window = batches, None
         if index == 0:
             model.train()
-            with torch.no_grad(), self.compute_loss_context_manager():
-                prepared = [self._prepare_inputs(b) for b in batches]
-            with self.compute_loss_context_manager():
-                self._coupled_window = self.coupled_loss.prepare_window(model, prepared)
-        self._coupled_current = index
+            with torch.no_grad(), trainer.compute_loss_context_manager():
+                prepared = [trainer._prepare_inputs(b) for b in batches]
+            with trainer.compute_loss_context_manager():
+                self._window = self.coupled_loss.prepare_window(model, prepared)
+        self._current = index
         try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            loss = step()
         finally:
-            self._coupled_current = None
-        self._coupled_index = index + 1
-        if self._coupled_index == len(batches):
-            self.coupled_loss.finish_passes(self._coupled_window)
-            self.coupled_loss.last_window = self._coupled_window
-            self._coupled_window = None
+            self._current = None
+        self._index = index + 1
+        if self._index == len(batches):
+            self.coupled_loss.finish_passes(self._window)
+            self.coupled_loss.last_window = self._window
+            self._window = None
         return loss
 
-    def verify_accumulation(self, batches: list[dict[str, Any]]):
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False) -> Any:
+        if self.in_pass_two:
+            loss = self.coupled_loss.micro_batch_loss(self._window, model, self._current, inputs)
+        else:
+            loss = self.coupled_loss.window_loss(model, [inputs])
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def verify(self, trainer: Any, batches: list[Any]):
         """The `verify_accumulation` check in the coupled mode: [`verify_coupled_split_invariance`] on the window
         (the ordinary check would compare per-micro-batch losses, which a window-coupled loss is not, and report an
         exact coupled run as not exact). Returns its result (`None` if the window could not be checked)."""
         from .accumulation_check import check_trainer_window
 
-        def probe(model: nn.Module, prepared: list[dict[str, Any]]):
-            with self.compute_loss_context_manager():
+        def probe(model: nn.Module, prepared: list[Any]):
+            with trainer.compute_loss_context_manager():
                 return verify_coupled_split_invariance(model, prepared, self.coupled_loss)
 
-        return check_trainer_window(self, batches, probe=probe)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._coupled_current is not None and self._coupled_window is not None:
-            loss = self.coupled_loss.micro_batch_loss(self._coupled_window, model, self._coupled_current, inputs)
-        else:
-            loss = self.coupled_loss.window_loss(model, [inputs])
-        return (loss, {"loss": loss}) if return_outputs else loss
+        return check_trainer_window(trainer, batches, probe=probe)
 
 
 # ---------------------------------------------------------------------------------------------------- exactness check

@@ -1,7 +1,7 @@
 """Exact window-level MoE load balancing for transformers models, in a plain loop or through `GradAccumTrainer`.
 
 transformers' MoE causal LMs (Mixtral, Qwen2-MoE, OLMoE, ...) add `router_aux_loss_coef * aux` to their loss when
-`output_router_logits=True`, where `aux` is a statistic of the batch (`helpers/moe_balance.py`). Accumulated per
+`output_router_logits=True`, where `aux` is a statistic of the batch (`engine/moe_balance.py`). Accumulated per
 micro-batch it is a different objective. With `moe_load_balance="window"`:
 
 1. a forward-only pass over the window (no gradients, torch RNG state restored afterwards so that router jitter and
@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from ..engine.items import count_items_in_batch
+from ..engine.moe_balance import RouterCounts, exact_aux_term, router_counts
 from ..engine.rng import capture_rng_state, restore_rng_state
-from ..helpers.moe_balance import RouterCounts, check_moe_load_balance, exact_aux_term, router_counts
 from .model_inspection import unwrap_model
-from .trainer import GradAccumTrainer
 
-__all__ = ["GradAccumMoETrainer", "MoEWindowBalanceMixin", "WindowRouterBalance", "find_router_modules"]
+__all__ = ["MoEWindowMode", "WindowRouterBalance", "find_router_modules"]
 
 
 def _router_recorder(model: nn.Module) -> tuple[type[nn.Module], int]:
@@ -212,77 +211,71 @@ class WindowRouterBalance:
         return None if self.window is None else self.window.aux_loss
 
 
-class MoEWindowBalanceMixin:
+class MoEWindowMode:
     """
-    Mixin for `GradAccumTrainer` (or a composition of it with TRL's `SFTTrainer`) that adds
-    `moe_load_balance`: `"micro_batch"` (default: the model's own per-micro-batch auxiliary loss, weighted by items)
-    or `"window"` (exact window-level load balancing, about one extra forward per micro-batch).
+    The `moe_load_balance="window"` mode of [`GradAccumTrainer`]: exact window-level load balancing, about one extra
+    forward per micro-batch. The Trainer calls it from its public hooks:
 
-    In `"window"` mode the window prefetched by `get_batch_samples` is first run forward-only to count its routing,
-    and `compute_loss` replaces the per-micro-batch auxiliary loss by the micro-batch's exact share of the window's.
-    TRL's `SFTTrainer` adds its own router term divided by `current_gradient_accumulation_steps`; in `"window"` mode
-    that term is switched off (`aux_loss_enabled`) for the training forwards, so nothing is divided twice.
+    - `get_batch_samples` -> [`window_prefetched`]: the window is first run forward-only to count its routing;
+    - `compute_loss` -> [`compute_loss`]: the per-micro-batch auxiliary loss is replaced by the micro-batch's exact
+      share of the window's. TRL's `SFTTrainer` adds its own router term divided by
+      `current_gradient_accumulation_steps`; that term is switched off (`aux_loss_enabled`) for the training
+      forwards, so nothing is divided twice.
 
     Example:
 
     ```python
-    >>> from hf_gradaccum import GradAccumArguments
-    >>> from hf_gradaccum.adapters.moe import GradAccumMoETrainer
-    >>> args = GradAccumArguments("out", per_device_train_batch_size=4, gradient_accumulation_steps=8)
-    >>> trainer = GradAccumMoETrainer(model=moe_model, args=args, train_dataset=ds, moe_load_balance="window")  # doctest: +SKIP
+    >>> from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+    >>> args = GradAccumArguments("out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
+    ...                           moe_load_balance="window")
+    >>> trainer = GradAccumTrainer(model=moe_model, args=args, train_dataset=ds)  # doctest: +SKIP
     ```
     """
 
-    def __init__(self, *args: Any, moe_load_balance: str = "micro_batch", **kwargs: Any) -> None:
-        self.moe_load_balance = check_moe_load_balance(moe_load_balance)
-        super().__init__(*args, **kwargs)
-        self._router_balance: WindowRouterBalance | None = None
-        if self.moe_load_balance == "window":
-            self._router_balance = WindowRouterBalance(self.model, shift_labels=True)
+    def __init__(self, model: nn.Module) -> None:
+        self.balance = WindowRouterBalance(model, shift_labels=True)
 
-    def _micro_batch_items(self, inputs: Mapping[str, Any]) -> int:
-        # What the accumulator weights this micro-batch by (the Trainer's own count when it has one).
-        count = getattr(self, "count_micro_batch_items", None)
-        return int(count(inputs)) if callable(count) else self._router_balance.count_items(inputs)
+    def window_prefetched(self, trainer: Any, batches: list[Any]) -> None:
+        if not batches:
+            return
+        balance = self.balance
+        balance.model = trainer.model_wrapped if getattr(trainer, "model_wrapped", None) is not None else trainer.model
+        # `training_step` puts the model in train mode: count the routing as those forwards will route (jitter).
+        was_training = balance.model.training
+        balance.model.train()
+        try:
+            balance.prepare_window(batches, [int(trainer.count_micro_batch_items(b)) for b in batches])
+        finally:
+            balance.model.train(was_training)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D102 (stock Trainer signature)
-        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._router_balance is not None and batches:
-            balance = self._router_balance
-            balance.model = self.model_wrapped if getattr(self, "model_wrapped", None) is not None else self.model
-            # `training_step` puts the model in train mode: count the routing as those forwards will route (jitter).
-            was_training = balance.model.training
-            balance.model.train()
-            try:
-                balance.prepare_window(batches, [self._micro_batch_items(b) for b in batches])
-            finally:
-                balance.model.train(was_training)
-        return batches, num_items_in_batch
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: D102
-        balance = self._router_balance
-        if balance is None or not model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def compute_loss(
+        self,
+        trainer: Any,
+        parent_compute_loss: Any,
+        model: nn.Module,
+        inputs: Any,
+        return_outputs: bool,
+        num_items: Any,
+    ) -> Any:
+        """`parent_compute_loss` (the composed trainer's) with the model's own auxiliary loss off, plus this
+        micro-batch's exact share of the window's auxiliary loss."""
         inputs = dict(inputs)
         inputs["output_router_logits"] = False  # the model's own per-micro-batch aux loss is off
-        trl_aux = getattr(self, "aux_loss_enabled", None)
+        trl_aux = getattr(trainer, "aux_loss_enabled", None)
         if trl_aux is not None:
-            self.aux_loss_enabled = False  # TRL's SFTTrainer: its per-micro-batch router term (divided by steps) off
+            # TRL's SFTTrainer: its per-micro-batch router term (divided by steps) off.
+            trainer.aux_loss_enabled = False
         try:
             with capture_router_logits(model) as logits:
-                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                result = parent_compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items
+                )
         finally:
             if trl_aux is not None:
-                self.aux_loss_enabled = trl_aux
+                trainer.aux_loss_enabled = trl_aux
         # TRL recomputes outputs with a second forward when asked for them; the first forward's routers are ours.
         logits = logits[: len(find_router_modules(model))]
         loss = result[0] if return_outputs else result
-        loss = loss + balance.aux_term(logits, inputs.get("attention_mask"), self._micro_batch_items(inputs)).to(
-            loss.device
-        )
+        items = int(trainer.count_micro_batch_items(inputs))
+        loss = loss + self.balance.aux_term(logits, inputs.get("attention_mask"), items).to(loss.device)
         return (loss, result[1]) if return_outputs else loss
-
-
-class GradAccumMoETrainer(MoEWindowBalanceMixin, GradAccumTrainer):
-    """`GradAccumTrainer` with the `moe_load_balance` option ([`MoEWindowBalanceMixin`]). Compose it with TRL's
-    `SFTTrainer` as `class T(MoEWindowBalanceMixin, GradAccumTrainer, SFTTrainer)`."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..engine.coupled import CoupledLoss, rows_in
 from .compositions import CACHED_LOSSES, EMBEDDING_LOSSES, GUIDED_LOSSES
-from .coupled import CoupledLossTrainer
+from .coupled import CoupledWindowMode
 
 __all__ = [
     "SentenceTransformersLossError",
@@ -276,12 +276,13 @@ def _rows(trainer: Any, batch: Mapping[str, Any]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
-class SentenceTransformersRouting(CoupledLossTrainer):
+class SentenceTransformersRouting:
     """
     Put in front of a composed `GradAccumTrainer` + `SentenceTransformerTrainer` class by
-    [`route_sentence_transformers`]. On the first training window it decides the route of `self.loss`; in the
-    coupled route it behaves as [`CoupledLossTrainer`], otherwise as the composed class itself (whose
-    `compute_loss` is sentence-transformers' own), with micro-batches weighted by rows.
+    [`route_sentence_transformers`] (in front, because sentence-transformers' `compute_loss` does not call its
+    parent's). On the first training window it decides the route of `self.loss`; in the coupled route it switches on
+    `GradAccumTrainer`'s coupled-loss mode, otherwise the composed class runs as it is (its `compute_loss` is
+    sentence-transformers' own), with micro-batches weighted by rows.
     """
 
     _st_route: str | None = None
@@ -309,7 +310,7 @@ class SentenceTransformersRouting(CoupledLossTrainer):
                     "under gradient accumulation: it is accumulated by gradient caching, whose recomputed "
                     "embeddings would draw other dropout masks after an out-of-memory split."
                 )
-            self._init_coupled_state(sentence_transformers_coupled_loss(self, loss))
+            self.coupled_mode = CoupledWindowMode(sentence_transformers_coupled_loss(self, loss), owns_loss=False)
         logger.info("%s: %s accumulates by the %r route (%s).", type(self).__name__, _loss_name(loss), route, reason)
         self._st_route, self._st_reason = route, reason
         return route
@@ -364,34 +365,24 @@ class SentenceTransformersRouting(CoupledLossTrainer):
     # ------------------------------------------------------------------ Trainer hooks
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         route = self._decide_route()
-        if route == "coupled":
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batch_samples, num_items = super(CoupledLossTrainer, self).get_batch_samples(
-            epoch_iterator, num_batches, device
-        )
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if route == "checked":
             self._check_first_window(list(batch_samples))
         return batch_samples, num_items
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        if self._decide_route() == "coupled":
-            return super().training_step(model, inputs, num_items_in_batch)
-        return super(CoupledLossTrainer, self).training_step(model, inputs, num_items_in_batch)
+        self._decide_route()
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Outside a coupled pass 2 (evaluation, or another route) the loss is sentence-transformers' own.
-        if self._st_route == "coupled" and self._coupled_current is not None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return super(CoupledLossTrainer, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.coupled_mode is not None and self.coupled_mode.in_pass_two:
+            return self.coupled_mode.compute_loss(model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def count_micro_batch_items(self, inputs: dict[str, Any]) -> int:
         # sentence-transformers batches carry `label` (scores, classes) or nothing; every loss here is per row.
         return _rows(self, inputs)
-
-    def verify_accumulation(self, batches: list[dict[str, Any]]):
-        if self._st_route == "coupled":
-            return super().verify_accumulation(batches)
-        return super(CoupledLossTrainer, self).verify_accumulation(batches)
 
 
 def _loss_name(loss: Any) -> str:

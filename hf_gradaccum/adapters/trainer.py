@@ -7,15 +7,20 @@ run behaves as the stock `Trainer` in everything but the gradient it steps with 
 differences). Public methods overridden:
 
 - `get_batch_samples`: count the window's items from the labels (for the logged loss only); composed with TRL's
-  KTOTrainer, compute the window's KL baseline in a forward-only pass (`adapters/trl_kto.py`);
+  KTOTrainer, compute the window's KL baseline in a forward-only pass (`adapters/trl_kto.py`); in the coupled-loss
+  and MoE window modes, prepare the window (`adapters/coupled.py`, `adapters/moe.py`);
 - `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
   composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
   routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
   mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
   out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
+- `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
+  the MoE window mode (the model's router term replaced by the window's exact one);
 - `log`: add the accumulator's counters (`accumulator/*` keys);
 - `train` / `save_model`: the accumulator's state (loss scale, counters) in every checkpoint and back on resume.
 
+Modes: `coupled_loss=` (a constructor argument, as transformers takes `compute_loss_func`) for a loss over the whole
+window (in-batch negatives); `moe_load_balance="window"` (an argument field) for exact MoE load balancing.
 Opt-in policies (off by default): `take_back_skipped_steps`, `refuse_resume_with_different_batch`,
 `atomic_checkpoints`, `lr_scaling_rule`, `batchnorm_momentum_correction`.
 """
@@ -33,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..engine.accumulator import GradientAccumulator, WindowResult
+from ..engine.coupled import CoupledLoss
 from ..engine.items import count_items_in_batch
 from ..engine.loss_scaling import DynamicLossScaler
 from ..engine.oom_retry import WindowOOMRetry
@@ -43,7 +49,9 @@ from .atomic_checkpoints import save_checkpoint_atomically
 from .batch_policies import apply_batch_policies
 from .compat import ATOMIC_CHECKPOINT_PRIVATE_NAMES, CORE_PRIVATE_NAMES, require_private_names
 from .compositions import CompositionError, refuse_unaccumulable_losses, unknown_composed_trainer
+from .coupled import CoupledWindowMode
 from .model_inspection import loss_shifts_labels
+from .moe import MoEWindowMode
 from .sharding import check_trainer_engine
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
@@ -67,6 +75,14 @@ class GradAccumTrainer(Trainer):
     parents' own `training_step` and `compute_loss` (their contexts, metrics and auxiliary losses); only the
     backward is routed through the accumulator. Add the options to their arguments with [`GradAccumFields`].
 
+    Args:
+        coupled_loss ([`CoupledLoss`], *optional*): a loss over the whole window rather than a mean over
+            independent items (in-batch negatives: CLIP, ranking losses). Trained exactly by gradient caching
+            (docs/coupled_losses.md): each window's representations first, then each micro-batch's share. Use a
+            data collator that returns the dict its `embed_fn` expects, and `remove_unused_columns=False`. With
+            another trainer, put `GradAccumTrainer` first in the class order.
+        *args, **kwargs: those of [`~transformers.Trainer`] (or of the composed trainer).
+
     Example:
 
     ```python
@@ -74,8 +90,17 @@ class GradAccumTrainer(Trainer):
     >>> args = GradAccumArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=8)
     >>> trainer = GradAccumTrainer(model=model, args=args, train_dataset=train_dataset)  # doctest: +SKIP
     >>> trainer.train()  # doctest: +SKIP
+    >>> # a loss over the whole window (in-batch negatives):
+    >>> from hf_gradaccum import ranking_coupled_loss
+    >>> trainer = GradAccumTrainer(model=encoder, args=args, train_dataset=pairs, data_collator=collate,
+    ...                            coupled_loss=ranking_coupled_loss(scale=20.0))  # doctest: +SKIP
     ```
     """
+
+    # The two modes that replace the loss (set in `__init__`; class-level so that a composed parent's `__init__`, which
+    # may run first, sees them unset).
+    coupled_mode: CoupledWindowMode | None = None
+    moe_mode: MoEWindowMode | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         trainer = super().__new__(cls)
@@ -85,9 +110,21 @@ class GradAccumTrainer(Trainer):
         install_window_pairing(trainer)
         return trainer
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, coupled_loss: CoupledLoss | None = None, **kwargs: Any) -> None:
+        # Checked before the parent's `__init__` does any work.
+        self.coupled_mode: CoupledWindowMode | None = None if coupled_loss is None else CoupledWindowMode(coupled_loss)
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
+        if self.coupled_mode is not None and self.args.auto_find_batch_size:
+            raise ValueError(
+                "`auto_find_batch_size=True` cannot be used with `coupled_loss`: the out-of-memory retry splits a "
+                "micro-batch into chunks, whose recomputed representations would draw other dropout masks than pass 1. "
+                "Choose a micro-batch that fits (the window's representations are the only extra memory)."
+            )
+        self.moe_mode: MoEWindowMode | None = None
+        if gradaccum_option(self.args, "moe_load_balance") == "window":
+            self._require_first_in_class_order("moe_load_balance='window'")
+            self.moe_mode = MoEWindowMode(self.model)
         require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")
         if gradaccum_option(self.args, "atomic_checkpoints"):
             require_private_names(self, ATOMIC_CHECKPOINT_PRIVATE_NAMES, "`atomic_checkpoints=True`")
@@ -137,6 +174,17 @@ class GradAccumTrainer(Trainer):
             self.add_callback(SkippedStepCallback(self._last_window_applied))
         apply_batch_policies(self)
         self._route_composed_losses()
+
+    def _require_first_in_class_order(self, option: str) -> None:
+        """A mode that replaces the loss must see `compute_loss` before the composed trainer does."""
+        for cls in type(self).__mro__:
+            if cls is GradAccumTrainer:
+                return
+            if not issubclass(cls, GradAccumTrainer) and "compute_loss" in vars(cls):
+                raise ValueError(
+                    f"{option} needs GradAccumTrainer before {cls.__name__} in the class order (its `compute_loss` "
+                    f"would run first): `class {type(self).__name__}(GradAccumTrainer, {cls.__name__})`."
+                )
 
     def _route_composed_losses(self) -> None:
         """Composed with a trainer whose losses couple the batch (sentence-transformers'), route them to a mode that
@@ -192,6 +240,8 @@ class GradAccumTrainer(Trainer):
         Items that the loss of this micro-batch is a mean over. Override for losses that are not a mean over the
         non-`-100` labels (e.g. a custom `compute_loss` that averages over something else).
         """
+        if self.coupled_mode is not None:
+            return self.coupled_mode.coupled_loss.num_items_fn(inputs)
         label_name = self.label_names[0] if self.label_names else "labels"
         labels = inputs.get(label_name)
         if labels is None and inputs.get("shift_labels") is None:
@@ -259,16 +309,23 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = None
         if batch_samples and self._kto_baseline is not None:
             self._kto_baseline.prepare(self, batch_samples)  # forward-only, over all ranks
+        if self.moe_mode is not None:
+            self.moe_mode.window_prefetched(self, batch_samples)  # forward-only, over all ranks
         if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
             check_trainer_window(self, batch_samples, refuse=self._refuse_unknown_composition)
         elif batch_samples and should_verify(self):
             self.verify_accumulation(batch_samples)
+        if self.coupled_mode is not None:
+            self.coupled_mode.window_prefetched(batch_samples)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
         return batch_samples, None
 
     def verify_accumulation(self, batches: list[dict[str, Any]]):
         """Split-invariance check of accumulation on `batches` (`verify_accumulation` option); see
-        [`~hf_gradaccum.verification.verify_split_invariance`]. Returns its result (`None` if the window is too small)."""
+        [`~hf_gradaccum.verification.verify_split_invariance`] (in the coupled-loss mode, its coupled form). Returns
+        its result (`None` if the window is too small)."""
+        if self.coupled_mode is not None:
+            return self.coupled_mode.verify(self, batches)
         return check_trainer_window(self, batches)
 
     def _refuse_unknown_composition(self, finding: str) -> CompositionError:
@@ -295,6 +352,11 @@ class GradAccumTrainer(Trainer):
 
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
+        if self.coupled_mode is not None:
+            return self.coupled_mode.training_step(self, model, inputs, lambda: self._accumulated_step(model, inputs))
+        return self._accumulated_step(model, inputs)
+
+    def _accumulated_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         accumulator = self._get_accumulator(model)
         if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
             if accumulator.micro_steps_in_window:
@@ -424,6 +486,20 @@ class GradAccumTrainer(Trainer):
                 "`Trainer.training_step` (SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
             )
         return result[0], counted[0]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The parents' `compute_loss`; in the coupled-loss mode the micro-batch's pass-2 surrogate (outside training,
+        the coupled loss of the batch), in the MoE window mode with the window's exact router term."""
+        coupled = self.coupled_mode
+        if coupled is not None and (coupled.in_pass_two or coupled.owns_loss):
+            return coupled.compute_loss(model, inputs, return_outputs)
+        if self.moe_mode is not None and model.training:
+            return self.moe_mode.compute_loss(
+                self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch
+            )
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """

@@ -8,6 +8,9 @@
 - `window.py`: per-window bookkeeping and the `WindowResult` it ends with;
 - `recompute.py`: fp16 overflow handling that redoes only the overflowing micro-batch;
 - `reduction.py`: what the ranks exchange at the end of a window;
-- `loss_scaling.py`, `items.py`, `oom_retry.py`, `checkpointing.py`, `validation.py`, `rng.py` (capture and restore
-  every random generator), `process_exit.py` (a clean exit for finished gloo scripts): one concern each.
+- `coupled.py` (gradient caching for losses over the whole window) and `moe_balance.py` (the window's exact MoE
+  router statistics): the torch half of the two loss modes; their Trainer half is `adapters/coupled.py` and
+  `adapters/moe.py`;
+- `loss_scaling.py`, `items.py`, `oom_retry.py`, `validation.py`, `rng.py` (capture and restore every random
+  generator), `process_exit.py` (a clean exit for finished gloo scripts): one concern each.
 """
