@@ -142,3 +142,25 @@ def test_trainer_verify_accumulation_uses_the_coupled_check(tmp_path, case):
     plain.train()
     plain_record = json.loads((tmp_path / "plain" / "accumulation_check.json").read_text())
     assert not plain_record["passed"] and plain_record["max_rel_diff"] > 1e-2, plain_record
+
+
+def test_coupled_loss_behind_another_trainer_is_refused(tmp_path):
+    """The coupled mode replaces the loss in `compute_loss`: behind a trainer with a `compute_loss` of its own in the
+    class order, it is refused before any `__init__` runs, with the order to use."""
+    from transformers import Trainer
+
+    class OwnLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class OwnLossFirst(OwnLossTrainer, GradAccumTrainer):
+        pass
+
+    class GradAccumFirst(GradAccumTrainer, OwnLossTrainer):
+        pass
+
+    model, coupled, _ = CASES["generic"](0.0)
+    with pytest.raises(ValueError, match=r"`coupled_loss` needs GradAccumTrainer before OwnLossTrainer"):
+        OwnLossFirst(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=coupled)
+    trainer = GradAccumFirst(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=coupled)
+    assert trainer.coupled_mode is not None and trainer.coupled_mode.coupled_loss is coupled

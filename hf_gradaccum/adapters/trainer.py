@@ -103,6 +103,8 @@ class GradAccumTrainer(Trainer):
     moe_mode: MoEWindowMode | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
+        if kwargs.get("coupled_loss") is not None:
+            require_first_in_class_order(cls, "`coupled_loss`")
         trainer = super().__new__(cls)
         # TRL's KTOTrainer builds its KL pairs while preparing its datasets, in its own `__init__`, which runs before
         # this class's when it comes first in the class order: they are made the large batch's here
@@ -123,7 +125,7 @@ class GradAccumTrainer(Trainer):
             )
         self.moe_mode: MoEWindowMode | None = None
         if gradaccum_option(self.args, "moe_load_balance") == "window":
-            self._require_first_in_class_order("moe_load_balance='window'")
+            require_first_in_class_order(type(self), "moe_load_balance='window'")
             self.moe_mode = MoEWindowMode(self.model)
         require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")
         if gradaccum_option(self.args, "atomic_checkpoints"):
@@ -174,17 +176,6 @@ class GradAccumTrainer(Trainer):
             self.add_callback(SkippedStepCallback(self._last_window_applied))
         apply_batch_policies(self)
         self._route_composed_losses()
-
-    def _require_first_in_class_order(self, option: str) -> None:
-        """A mode that replaces the loss must see `compute_loss` before the composed trainer does."""
-        for cls in type(self).__mro__:
-            if cls is GradAccumTrainer:
-                return
-            if not issubclass(cls, GradAccumTrainer) and "compute_loss" in vars(cls):
-                raise ValueError(
-                    f"{option} needs GradAccumTrainer before {cls.__name__} in the class order (its `compute_loss` "
-                    f"would run first): `class {type(self).__name__}(GradAccumTrainer, {cls.__name__})`."
-                )
 
     def _route_composed_losses(self) -> None:
         """Composed with a trainer whose losses couple the batch (sentence-transformers'), route them to a mode that
@@ -659,6 +650,19 @@ class GradAccumTrainer(Trainer):
             # `train_results.json`) see every key the stock Trainer would give them, plus ours.
             logs.update(self.accumulator.metrics())
         super().log(logs, start_time)
+
+
+def require_first_in_class_order(trainer_cls: type, option: str) -> None:
+    """A mode that replaces the loss must see `compute_loss` before a composed trainer does: raise a `ValueError`
+    naming `option` and the class order to use when another trainer's `compute_loss` comes first."""
+    for cls in trainer_cls.__mro__:
+        if cls is GradAccumTrainer:
+            return
+        if not issubclass(cls, GradAccumTrainer) and "compute_loss" in vars(cls):
+            raise ValueError(
+                f"{option} needs GradAccumTrainer before {cls.__name__} in the class order (its `compute_loss` would "
+                f"run first): `class {trainer_cls.__name__}(GradAccumTrainer, {cls.__name__})`."
+            )
 
 
 class _LoopRestartCallback(TrainerCallback):
