@@ -300,12 +300,12 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = None
         if batch_samples and self._kto_baseline is not None:
             self._kto_baseline.prepare(self, batch_samples)  # forward-only, over all ranks
-        if self.moe_mode is not None:
-            self.moe_mode.window_prefetched(self, batch_samples)  # forward-only, over all ranks
         if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
             check_trainer_window(self, batch_samples, refuse=self._refuse_unknown_composition)
         elif batch_samples and should_verify(self):
             self.verify_accumulation(batch_samples)
+        if self.moe_mode is not None:
+            self.moe_mode.window_prefetched(self, batch_samples)  # forward-only, over all ranks
         if self.coupled_mode is not None:
             self.coupled_mode.window_prefetched(batch_samples)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
