@@ -158,3 +158,51 @@ def test_opt_in_batch_policies_apply_once_at_construction(tmp_path):
     trainer.create_optimizer()
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
     assert trainer.model[1].momentum == pytest.approx(1 - 0.9 ** (1 / 4))
+
+
+def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched(tmp_path, monkeypatch):
+    """Each micro-batch runs the parent's own `training_step` and `Accelerator.backward` once, with nothing swapped
+    on the Accelerator (in fp32 the accumulator's hooks fold the parent's own backward), and the update equals the
+    large batch's: one SGD step of 2 x 4 vs the stock Trainer on one batch of 8, 1e-5 relative."""
+    from accelerate import Accelerator
+
+    backward_calls = []
+    original_backward = Accelerator.backward
+
+    def counting_backward(self, loss, **kwargs):
+        backward_calls.append(float(loss.detach()))
+        return original_backward(self, loss, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "backward", counting_backward)
+    swapped = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            # fp32: no instance attribute on the Accelerator, and no scaler, as in the stock Trainer.
+            swapped.append("backward" in vars(self.accelerator) or self.accelerator.scaler is not None)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Composed(GradAccumTrainer, Recording):
+        pass
+
+    case = CASE_BY_NAME["bert_seq_cls"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(8, torch.Generator().manual_seed(3))
+    ours = Composed(model=copy.deepcopy(model), args=_args(tmp_path / "ours", optim="sgd"), train_dataset=data)
+    ours.train()
+    assert swapped == [False] * 4
+    assert len(backward_calls) == 4
+    ref_args = _args(
+        tmp_path / "ref",
+        cls=TrainingArguments,
+        optim="sgd",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+    )
+    ref = Trainer(model=copy.deepcopy(model), args=ref_args, train_dataset=data)
+    ref.train()
+    w0, w_ours, w_ref = flat_params(model), flat_params(ours.model), flat_params(ref.model)
+    err = float((w_ours - w_ref).norm() / (w_ref - w0).norm())
+    print(f"unpatched parent step: relative update error vs large batch {err:.2e}")
+    assert err <= 1e-5

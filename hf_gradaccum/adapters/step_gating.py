@@ -27,6 +27,9 @@ class WindowGradScaler(torch.amp.GradScaler):
     `optimizer.step()` after a window the accumulator did not apply. Accelerate's optimizer wrapper then reports the
     step as skipped, exactly as after a stock fp16 overflow, and the Trainer leaves the scheduler alone.
 
+    `Accelerator.backward(loss)` back-propagates `scaler.scale(loss)`: `hand_over` (when given) receives the loss
+    there and returns the tensor to back-propagate, which is how the Trainer's own backward reaches the accumulator.
+
     Example:
 
     ```python
@@ -39,9 +42,20 @@ class WindowGradScaler(torch.amp.GradScaler):
     ```
     """
 
-    def __init__(self, device: str, should_skip: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        device: str,
+        should_skip: Callable[[], bool],
+        hand_over: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__(device, enabled=False)
         self._should_skip = should_skip
+        self._hand_over = hand_over
+
+    def scale(self, outputs: Any) -> Any:
+        if self._hand_over is not None and isinstance(outputs, torch.Tensor):
+            return self._hand_over(outputs)
+        return super().scale(outputs)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._should_skip():
@@ -50,7 +64,9 @@ class WindowGradScaler(torch.amp.GradScaler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_should_skip", None)  # a bound method of the trainer; not part of the scaler's state
+        # Bound methods of the trainer, not part of the scaler's state.
+        state.pop("_should_skip", None)
+        state.pop("_hand_over", None)
         return state
 
 

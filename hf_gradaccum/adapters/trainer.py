@@ -9,9 +9,11 @@ differences). Public methods overridden:
 - `get_batch_samples`: count the window's items from the labels (for the logged loss only); composed with TRL's
   KTOTrainer, compute the window's KL baseline in a forward-only pass (`adapters/trl_kto.py`); in the coupled-loss
   and MoE window modes, prepare the window (`adapters/coupled.py`, `adapters/moe.py`);
-- `training_step`: each micro-batch goes through the parent classes' own `training_step` and `compute_loss` (so a
-  composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary losses), with its `accelerator.backward`
-  routed into the accumulator's item-weighted backward; on the window's last micro-batch, write the large-batch
+- `training_step`: each micro-batch goes through the parent classes' own `training_step`, `compute_loss` and
+  `accelerator.backward`, unpatched (so a composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary
+  losses); Accelerate hands the loss to its scaler before the backward, and the scaler installed here
+  (`WindowGradScaler`) hands it to the accumulator, whose hooks fold the gradients item-weighted; after an fp16
+  overflow only that micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
   mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
   out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,6 +104,10 @@ class GradAccumTrainer(Trainer):
     # may run first, sees them unset).
     coupled_mode: CoupledWindowMode | None = None
     moe_mode: MoEWindowMode | None = None
+    # Set while one micro-batch runs: where the installed scaler hands the loss (`_parent_training_step`).
+    _hand_over: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _count_generation_micro_batch: Callable[[float], None] | None = None
+    _replayed_micro_batch: dict[str, Any] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -147,18 +154,7 @@ class GradAccumTrainer(Trainer):
         # ranks), so it is switched off while each micro-batch runs (`_parent_training_step`) and the user's value is
         # left in `self.args`, i.e. in the saved `training_args.bin`.
         self.model_accepts_loss_kwargs = False
-        loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
-        if (
-            loss_scaling
-            or self.accelerator.scaler is not None
-            or gradaccum_option(self.args, "take_back_skipped_steps")
-        ):
-            # The accumulator owns fp16 loss scaling (per window, unscaled into the fp32 buffers). A disabled
-            # GradScaler keeps Accelerate's autocast and makes its unscale calls no-ops; its `step` reports a skipped
-            # window's optimizer step as skipped, as a stock GradScaler does after an overflow.
-            self.accelerator.scaler = WindowGradScaler(
-                self.accelerator.device.type, should_skip=self._optimizer_step_must_be_skipped
-            )
+        self._install_loss_handover()
         self.accumulator: GradientAccumulator | None = None
         self._window_items_local: float | None = None
         self._window_batches: list[dict[str, Any]] = []
@@ -392,10 +388,15 @@ class GradAccumTrainer(Trainer):
         self, model: nn.Module, accumulator: GradientAccumulator, inputs: Any, num_items: int | None
     ) -> tuple[torch.Tensor, float]:
         """
-        One micro-batch through the parent classes' own `training_step` (TRL's activation-offloading context, any
-        context a subclass adds, then `Trainer.training_step`'s `_prepare_inputs`, forward and `compute_loss`, each
-        once), with its `accelerator.backward(loss)` routed into the accumulator. Returns the micro-batch's detached
-        mean loss and its items (`num_items`, or for a generation batch, counted just before its loss).
+        One micro-batch through the parent classes' own `training_step`, unpatched (TRL's activation-offloading
+        context, any context a subclass adds, then `Trainer.training_step`'s `_prepare_inputs`, forward,
+        `compute_loss` and `accelerator.backward`, each once), between the accumulator's `begin_micro_batch` and
+        `end_micro_batch`: its hooks fold the gradients of that backward, weighted by the micro-batch's items.
+        Where the loss itself must change first (fp16 loss scaling; FSDP2, whose reduce-scatter sums the ranks'
+        gradients before the fold), Accelerate hands it to the scaler this class installs, which asks the
+        accumulator. After an fp16 overflow only this micro-batch's `compute_loss` and backward run again. Returns
+        the micro-batch's detached mean loss and its items (`num_items`, or for a generation batch, counted just
+        before its loss).
 
         While it runs, the micro-batch is presented to `compute_loss` as a batch of its own: `num_items_in_batch`
         is its own item count and `current_gradient_accumulation_steps` is 1. A `compute_loss` that divides by
@@ -403,80 +404,128 @@ class GradAccumTrainer(Trainer):
         micro-batch's own loss, which the accumulator weights by its share of the window's items.
         """
         items_tensor = None if num_items is None else torch.tensor(num_items, device=self.args.device)
-        result: list[torch.Tensor] = []
+        counted: list[float] = []
+        handed_over = [0]
+
+        def begin(items: float) -> None:
+            if not counted:  # an fp16 recompute presents the same micro-batch again
+                counted.append(items)
+                accumulator.begin_micro_batch(items, can_recompute=True)
+
+        def hand_over(loss: torch.Tensor) -> torch.Tensor:
+            handed_over[0] += 1
+            return accumulator.loss_to_backward(loss)
+
         # Set by `compute_loss_context_manager` for a generation batch: (items, the micro-batch its loss saw).
         self._pending_micro_batch = None
-
-        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
-            if result:
-                raise RuntimeError(
-                    f"{type(self).__name__}.training_step called `accelerator.backward` twice for one micro-batch; "
-                    "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
-                )
-            items = num_items
-            if items is None:
-                if self._pending_micro_batch is None:
-                    raise RuntimeError(
-                        f"{type(self).__name__}: the loss was computed outside `compute_loss_context_manager`, so "
-                        "GradAccumTrainer could not count the items of this generation batch's micro-batch."
-                    )
-                items = self._pending_micro_batch[0]
-            counted.append(items)
-            first_attempt = [loss]
-
-            def compute_loss() -> torch.Tensor:
-                if first_attempt:
-                    return first_attempt.pop()
-                # fp16 overflow: recompute this micro-batch's forward at the backed-off scale, still inside the
-                # parent's training_step contexts, on the micro-batch its first forward saw (a generation batch's
-                # buffered completions, not new ones).
-                again_inputs = (
-                    self._prepare_inputs(inputs) if self._pending_micro_batch is None else self._pending_micro_batch[1]
-                )
-                with self.compute_loss_context_manager():
-                    again = self.compute_loss(model, again_inputs, num_items_in_batch=items_tensor)
-                return again.mean() if self.args.n_gpu > 1 else again
-
-            result.append(accumulator.accumulate_micro_batch(compute_loss, items))
-
-        counted: list[float] = []
-
-        # The three attributes below are swapped for the duration of the parent's training_step only (see
-        # docs/design.md, "Trainer state the adapter touches"): the parent's own `training_step` must run unchanged
-        # (composed TRL trainers add contexts and metrics there) and these are the values it reads.
+        self._count_generation_micro_batch = begin
+        self._hand_over = hand_over
+        if num_items is not None:
+            begin(num_items)
+        # The two values below are presented for the duration of the micro-batch only (see docs/design.md, "Trainer
+        # state the adapter touches"): the parent's own `training_step` must run unchanged (composed TRL trainers
+        # add contexts and metrics there) and these are the values it reads.
         steps = getattr(self, "current_gradient_accumulation_steps", None)
-        had_backward = "backward" in vars(self.accelerator)
-        previous_backward = vars(self.accelerator).get("backward")
         average_tokens = getattr(self.args, "average_tokens_across_devices", False)
         self.current_gradient_accumulation_steps = 1
-        self.accelerator.backward = backward
         self.args.average_tokens_across_devices = False
+        self._install_loss_handover(accumulator)
         try:
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
             self._in_micro_step = True
             with accumulator.accumulate(model):
-                super().training_step(model, inputs, items_tensor)
+                loss = super().training_step(model, inputs, items_tensor)
+                self._check_micro_batch_ran(accumulator, counted, handed_over[0])
+                while accumulator.end_micro_batch(loss):
+                    loss = self._recompute_micro_batch(model, inputs, items_tensor)
         finally:
             self._in_micro_step = False
+            self._count_generation_micro_batch = self._hand_over = None
             self._pending_micro_batch = None
             self.args.average_tokens_across_devices = average_tokens
-            if had_backward:
-                self.accelerator.backward = previous_backward
-            else:
-                del self.accelerator.backward
             if steps is None:
                 del self.current_gradient_accumulation_steps
             else:
                 self.current_gradient_accumulation_steps = steps
-        if not result:
+        return loss, counted[0]
+
+    def _check_micro_batch_ran(self, accumulator: GradientAccumulator, counted: list[float], handed_over: int) -> None:
+        """Refuse, before anything is folded into a step, a parent `training_step` that did not run one micro-batch as
+        `Trainer.training_step` does: the weighting would silently be wrong."""
+        if not counted:
+            raise RuntimeError(
+                f"{type(self).__name__}: the loss was computed outside `compute_loss_context_manager`, so "
+                "GradAccumTrainer could not count the items of this generation batch's micro-batch."
+            )
+        micro = accumulator.current_micro_batch
+        if handed_over > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}.training_step called `accelerator.backward` twice for one micro-batch; "
+                "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
+            )
+        if not handed_over and not micro.gradients_arrived:
             raise RuntimeError(
                 f"The training_step of {type(self).__name__}'s parent classes returned without calling "
                 "`self.accelerator.backward(loss)`, so GradAccumTrainer could not weight and accumulate the "
                 "gradient. Compose GradAccumTrainer only with trainers whose training_step ends in "
                 "`Trainer.training_step` (SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
             )
-        return result[0], counted[0]
+
+    def _recompute_micro_batch(self, model: nn.Module, inputs: Any, items: torch.Tensor | None) -> torch.Tensor:
+        """
+        fp16 overflow: this micro-batch's forward and backward again, at the backed-off scale, on the micro-batch its
+        first forward saw (a generation batch's buffered completions, not new ones), through the public
+        `compute_loss` and `accelerator.backward`. Returns the detached loss.
+        """
+        pending = self._pending_micro_batch
+        again_inputs = self._prepare_inputs(inputs) if pending is None else pending[1]
+        self._replayed_micro_batch = None if pending is None else pending[1]
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, again_inputs, num_items_in_batch=items)
+        finally:
+            self._replayed_micro_batch = None
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+    def _install_loss_handover(self, accumulator: GradientAccumulator | None = None) -> None:
+        """
+        Install `WindowGradScaler` where it is needed: Accelerate back-propagates `scaler.scale(loss)`, so it is where
+        the accumulator changes a loss before its backward (fp16 loss scaling; FSDP2's item weight), and its `step`
+        reports a skipped window's optimizer step as skipped (loss scaling; `take_back_skipped_steps`), as a stock
+        GradScaler does after an overflow. Otherwise (fp32, replicated buffers) the Accelerator keeps no scaler, as
+        in the stock Trainer: the parent's backward of its own loss is what the accumulator folds. Installed again if
+        the Accelerator was re-created (a hyperparameter search does).
+        """
+        loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
+        needed = (
+            loss_scaling
+            or gradaccum_option(self.args, "take_back_skipped_steps")
+            or (accumulator is not None and not accumulator.loss_factor_is_one)
+        )
+        if not needed or isinstance(self.accelerator.scaler, WindowGradScaler):
+            return
+        if self.accelerator.gradient_accumulation_steps != 1:
+            # Accelerate would divide each loss by its own steps before handing it over.
+            raise RuntimeError(
+                "GradAccumTrainer needs the Trainer's Accelerator at `gradient_accumulation_steps=1` (the Trainer "
+                f"creates it so), got {self.accelerator.gradient_accumulation_steps}."
+            )
+        # Disabled: the accumulator owns loss scaling (per window, unscaled into the fp32 buffers); Accelerate's
+        # autocast stays and its unscale calls are no-ops.
+        self.accelerator.scaler = WindowGradScaler(
+            self.accelerator.device.type,
+            should_skip=self._optimizer_step_must_be_skipped,
+            hand_over=self._loss_to_backward,
+        )
+
+    def _loss_to_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """What Accelerate back-propagates: inside a micro-batch, the accumulator's tensor for its loss; any other
+        backward (a user's own, outside `training_step`) the loss unchanged."""
+        return loss if self._hand_over is None else self._hand_over(loss)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The parents' `compute_loss`; in the coupled-loss mode the micro-batch's pass-2 surrogate (outside training,
@@ -503,8 +552,9 @@ class GradAccumTrainer(Trainer):
         stack = super().compute_loss_context_manager()
         rule = getattr(self, "_generation_accumulation", None)
         if rule is not None and getattr(self, "_in_micro_step", False):
-            items, micro_batch, restore = rule.present(self)
+            items, micro_batch, restore = rule.present(self, getattr(self, "_replayed_micro_batch", None))
             self._pending_micro_batch = (items, micro_batch)
+            self._count_generation_micro_batch(items)
             stack.callback(restore)
         baseline = getattr(self, "_kto_baseline", None)
         if baseline is not None and getattr(self, "_in_micro_step", False):

@@ -135,13 +135,16 @@ class GenerationBatchAccumulation:
             mask = mask * micro_batch["tool_mask"]
         return int(mask.sum().item())
 
-    def present(self, trainer: Any) -> tuple[float, dict[str, Any], Callable[[], None]]:
+    def present(
+        self, trainer: Any, micro_batch: dict[str, Any] | None = None
+    ) -> tuple[float, dict[str, Any], Callable[[], None]]:
         """
-        Count the items of the micro-batch the loss is about to see and, for losses that divide by the generation
-        batch's `num_items_in_batch`, present it as the module docstring says. Returns the count, the micro-batch and
-        a function that puts the micro-batch back as TRL left it (it is reused when `num_iterations > 1`).
+        Count the items of the micro-batch the loss is about to see (`micro_batch`, when its loss is computed again
+        after an fp16 overflow) and, for losses that divide by the generation batch's `num_items_in_batch`, present
+        it as the module docstring says. Returns the count, the micro-batch and a function that puts the micro-batch
+        back as TRL left it (it is reused when `num_iterations > 1`).
         """
-        micro_batch = self.micro_batch(trainer)
+        micro_batch = self.micro_batch(trainer) if micro_batch is None else micro_batch
         if not self.loss_items.rescales_num_items:
             return self.count(micro_batch), micro_batch, lambda: None
         original = micro_batch["num_items_in_batch"]

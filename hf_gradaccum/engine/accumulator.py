@@ -31,7 +31,7 @@ from .fsdp_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
-from .recompute import UnfoldedBackward, accumulate_with_recompute, gradients_overflowed
+from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
 from .sharded import (  # noqa: F401  (the refusals are re-exported from their old home)
     gradient_buffers_for,
@@ -159,10 +159,11 @@ class GradientAccumulator:
             overflow_policy=overflow_policy,
         )
 
-        # `_fold_alpha` is set only while `backward` runs, so a backward the accumulator did not ask for (an eval
-        # pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
+        # `_fold_alpha` is set only from `begin_micro_batch` to `end_micro_batch`, so a backward the accumulator did
+        # not ask for (an eval pass, a user's auxiliary loss) leaves `.grad` as plain PyTorch would.
         self._fold_alpha: float | None = None
         self._defer_fold = False
+        self._micro: MicroBatch | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
 
         self._window: WindowState | None = None
@@ -178,6 +179,8 @@ class GradientAccumulator:
     # ------------------------------------------------------------------ hooks and folding
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def fold(param: torch.Tensor) -> None:
+            if self._micro is not None:
+                self._micro.gradients_arrived = True
             if self._fold_alpha is None or self._defer_fold or param.grad is None:
                 return
             self._fold(index, param)
@@ -248,16 +251,9 @@ class GradientAccumulator:
         this method cannot re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`]
         for `"recompute"`.
         """
-        n = self._begin_micro_batch(self._resolve_num_items(num_items, batch))
-        if n == 0 and not self.buffers.backward_without_items:
-            return
-        self._zero_item_backwards += n == 0
-        self._window.record_loss(loss, n)
-        if self._loss_non_finite(loss, n):
-            # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
-            self._window.overflowed = True
-            return
-        self._backward_scaled(loss, n)
+        self.begin_micro_batch(num_items, batch=batch)
+        self._backward_attempt(loss)
+        self.end_micro_batch(loss.detach())
 
     def accumulate_micro_batch(
         self,
@@ -275,28 +271,137 @@ class GradientAccumulator:
         Returns:
             `torch.Tensor`: the detached loss of the (last) attempt.
         """
-        num_items = self._resolve_num_items(num_items, batch)
-        if self.loss_scaler is None or self.overflow_policy == "skip":
+        self.begin_micro_batch(num_items, batch=batch, can_recompute=True)
+        while True:
             loss = compute_loss()
-            self.backward(loss, num_items)
-            return loss.detach()
+            self._backward_attempt(loss)
+            if not self.end_micro_batch(loss.detach()):
+                return loss.detach()
 
-        n = self._begin_micro_batch(num_items)
-        if n == 0 and not self.buffers.backward_without_items:
-            return compute_loss().detach()
-        self._zero_item_backwards += n == 0
-        recomputed_before = self._window.recomputed
-        loss = accumulate_with_recompute(
-            UnfoldedBackward(self._loss_non_finite, self._backward_unfolded, self._fold_pending, self._drop_pending),
-            compute_loss,
-            n,
-            window=self._window,
-            scaler=self.loss_scaler,
-            max_attempts=self.max_recompute_attempts,
-            micro_step=self.micro_step,
-        )
-        self.recomputed_micro_batches += self._window.recomputed - recomputed_before
-        return loss
+    # ------------------------------------------------------------------ one micro-batch, in three calls
+    def begin_micro_batch(
+        self,
+        num_items: int | float | torch.Tensor | None = None,
+        *,
+        batch: Mapping[str, Any] | None = None,
+        can_recompute: bool = False,
+    ) -> None:
+        """
+        Start one micro-batch of `num_items` items (or the items of `batch`, as in [`backward`]): from here to
+        [`end_micro_batch`], the gradients of a backward are this micro-batch's. Back-propagate
+        `loss_to_backward(loss)`, then call `end_micro_batch(loss)`; when that returns `True` (an fp16 overflow under
+        `overflow_policy="recompute"`, only with `can_recompute=True`), compute the loss again and repeat those two
+        steps. Where [`loss_factor_is_one`] is `True` (no loss scaling, replicated buffers), `loss.backward()` itself
+        may be used: the item weight is applied as the gradients are folded. [`backward`] and
+        [`accumulate_micro_batch`] are these calls for a plain loop; the Trainer adapter makes them around its
+        parent's own `training_step`.
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from hf_gradaccum import GradientAccumulator
+        >>> model = torch.nn.Linear(2, 1)
+        >>> acc = GradientAccumulator(model, gradient_accumulation_steps=1)
+        >>> acc.begin_micro_batch(num_items=3)
+        >>> loss = model(torch.ones(3, 2)).pow(2).mean()
+        >>> acc.loss_to_backward(loss).backward()
+        >>> acc.end_micro_batch(loss)
+        False
+        ```
+        """
+        n = self._begin_micro_batch(self._resolve_num_items(num_items, batch))
+        needed = n > 0 or self.buffers.backward_without_items
+        self._zero_item_backwards += needed and n == 0
+        recompute = can_recompute and self.loss_scaler is not None and self.overflow_policy == "recompute"
+        self._micro = MicroBatch(n, backward_needed=needed, recompute=recompute)
+        self._arm(self._micro)
+
+    @property
+    def loss_factor_is_one(self) -> bool:
+        """Whether [`loss_to_backward`] leaves a finite loss as it is: no loss scaling and replicated buffers (which
+        apply the item weight as they fold). Then a micro-batch's own `loss.backward()` accumulates it exactly."""
+        return self.loss_scaler is None and not self.sharded
+
+    @property
+    def current_micro_batch(self) -> MicroBatch | None:
+        """The micro-batch between [`begin_micro_batch`] and [`end_micro_batch`] (`None` outside one)."""
+        return self._micro
+
+    def loss_to_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """
+        The tensor to back-propagate for this micro-batch's mean `loss`: the loss at the window's fp16 scale, under
+        FSDP2 also times its items (there the ranks' gradients are summed before the fold). A non-finite loss, and
+        a micro-batch without items that needs no backward, get a tensor that back-propagates nothing.
+        """
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError("`loss_to_backward` called outside a micro-batch: call `begin_micro_batch` first.")
+        micro.loss_non_finite = micro.backward_needed and self._loss_non_finite(loss, micro.num_items)
+        if not micro.backward_needed or micro.loss_non_finite:
+            # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
+            return torch.zeros((), device=loss.device, requires_grad=True)
+        loss_factor = self.buffers.weighting(micro.num_items, self.current_scale)[0]
+        return loss * loss_factor if loss_factor != 1.0 else loss
+
+    def end_micro_batch(self, loss: torch.Tensor) -> bool:
+        """
+        After the backward: record the micro-batch's (unscaled, detached) `loss` and, under `"recompute"`, check its
+        gradients before folding them. Returns `True` when they overflowed and the micro-batch must be computed
+        again at the backed-off scale (its gradients are dropped); `False` when it is done.
+        """
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError("`end_micro_batch` called outside a micro-batch: call `begin_micro_batch` first.")
+        self._fold_alpha, self._defer_fold = None, False
+        window, n = self._window, micro.num_items
+        if not micro.backward_needed:
+            self._drop_pending()  # a mean over no items is 0/0 and weighs nothing
+            self._micro = None
+            return False
+        if micro.loss_non_finite is None:  # back-propagated as it was, without `loss_to_backward`
+            micro.loss_non_finite = self._loss_non_finite(loss, n)
+        if micro.loss_non_finite:
+            self._drop_pending()
+            window.record_loss(loss, n)
+            window.overflowed = True
+            if micro.recompute:
+                logger.warning("Non-finite loss in micro-batch %d; the window will be skipped.", self.micro_step)
+        elif not micro.recompute:
+            window.record_loss(loss, n)
+        elif not self.buffers.agree(gradients_overflowed(self.parameters)):
+            # Folded only after checking: a folded inf could not be taken out of the buffer again.
+            self._fold_pending(n)
+            window.record_loss(loss, n)
+        else:
+            self._drop_pending()
+            first = micro.attempt == 0
+            if back_off_after_overflow(micro, window, self.loss_scaler, self.max_recompute_attempts, self.micro_step):
+                self.recomputed_micro_batches += first
+                self._arm(micro)
+                return True
+        self._micro = None
+        return False
+
+    def _arm(self, micro: MicroBatch) -> None:
+        """Get ready for `micro`'s backward: FSDP2's gradient sync, and how the hooks fold what arrives."""
+        micro.loss_non_finite = None
+        if micro.backward_needed:
+            for module in self.buffers.fsdp_modules:
+                # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync`
+                # (the Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own
+                # reduce dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch
+                # fp16 check.
+                module.set_requires_gradient_sync(True, recurse=False)
+            # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for
+            # every micro-batch but the window's last.
+            self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
+        # Replicated: the item weight is applied at the fold; sharded: in the loss, before the reduce-scatter sums
+        # the ranks' gradients (`weighting`).
+        self._fold_alpha = self.buffers.weighting(micro.num_items, self.current_scale)[1]
+        # Held in `.grad` until `end_micro_batch`: gradients it checks before folding (fp16 recompute), and those of
+        # a micro-batch without items (dropped there).
+        self._defer_fold = micro.recompute or not micro.backward_needed
 
     @property
     def loss_shifts_labels(self) -> bool | None:
@@ -346,31 +451,14 @@ class GradientAccumulator:
         self._window.items += n
         return n
 
-    def _backward_scaled(self, loss: torch.Tensor, n: float) -> None:
-        for module in self.buffers.fsdp_modules:
-            # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync` (the
-            # Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own reduce
-            # dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch fp16 check.
-            module.set_requires_gradient_sync(True, recurse=False)
-        # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for
-        # every micro-batch but the window's last.
-        self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
-        # Replicated: the item weight is applied at the fold; sharded: in the loss, before the reduce-scatter sums
-        # the ranks' gradients (`weighting`).
-        loss_factor, self._fold_alpha = self.buffers.weighting(n, self.current_scale)
+    def _backward_attempt(self, loss: torch.Tensor) -> None:
         try:
-            (loss * loss_factor if loss_factor != 1.0 else loss).backward()
-        finally:
-            self._fold_alpha = None
-
-    def _backward_unfolded(self, loss: torch.Tensor, n: float) -> bool:
-        """Backward with folding deferred, leaving the gradients in `.grad`; returns whether they overflowed."""
-        self._defer_fold = True
-        try:
-            self._backward_scaled(loss, n)
-            return self.buffers.agree(gradients_overflowed(self.parameters))
-        finally:
-            self._defer_fold = False
+            self.loss_to_backward(loss).backward()
+        except BaseException:
+            # A backward the accumulator did not ask for (an eval pass, a user's auxiliary loss) after this one must
+            # leave `.grad` as plain PyTorch would.
+            self._fold_alpha, self._defer_fold = None, False
+            raise
 
     def _loss_non_finite(self, loss: torch.Tensor, n: float) -> bool:
         """Whether the micro-batch's loss is inf/NaN (on any rank, when sharded). A zero-item micro-batch's loss is
@@ -398,6 +486,7 @@ class GradientAccumulator:
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
+        self._micro, self._fold_alpha, self._defer_fold = None, None, False
         self._zero_item_backwards = 0
         self.fsdp_schedule.discard()
         for p in self.parameters:

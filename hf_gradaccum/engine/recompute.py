@@ -4,13 +4,17 @@ Under fp16 loss scaling an overflow is usually the scale's fault, not the data's
 window (what `GradScaler` and other libraries do), the overflowing micro-batch's gradients are checked *before* they
 are folded into the buffers, thrown away, and the micro-batch is recomputed at the backed-off scale. The micro-batches
 already folded stay: they were unscaled with the scale they were computed at, so they are unaffected.
+
+The accumulator runs a micro-batch in three calls (`begin_micro_batch`, `loss_to_backward`, `end_micro_batch`);
+[`MicroBatch`] is what it remembers between them, and [`back_off_after_overflow`] decides, after an overflowing
+attempt, whether the micro-batch is computed again.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,68 +35,46 @@ def gradients_overflowed(parameters: Sequence[torch.Tensor]) -> bool:
     return not bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
 
 
-@dataclass(frozen=True)
-class UnfoldedBackward:
-    """
-    What the recompute loop needs from the accumulator, as four callables, so that this module does not depend on
-    the accumulator (it only sees a micro-batch's backward in three steps: run it unfolded, then keep or drop it).
+@dataclass
+class MicroBatch:
+    """One micro-batch between `begin_micro_batch` and `end_micro_batch`."""
 
-    - `loss_non_finite(loss, num_items)`: whether the unscaled loss is inf/NaN (agreed over ranks where needed);
-    - `backward_unfolded(loss, num_items)`: backward at the current scale, leaving the gradients in `.grad`
-      unfolded; returns whether they overflowed (agreed over ranks where needed);
-    - `fold_pending(num_items)`: fold the gradients left in `.grad` into the buffers;
-    - `drop_pending()`: throw the gradients left in `.grad` away.
-    """
-
-    loss_non_finite: Callable[[torch.Tensor, float], bool]
-    backward_unfolded: Callable[[torch.Tensor, float], bool]
-    fold_pending: Callable[[float], None]
-    drop_pending: Callable[[], None]
+    num_items: float
+    backward_needed: bool
+    """False for a micro-batch without items whose backward nobody waits for (replicated buffers): it weighs 0."""
+    recompute: bool
+    """fp16 with `overflow_policy="recompute"`, and a caller that can compute the loss again: the gradients stay in
+    `.grad`, unfolded, until `end_micro_batch` has checked them."""
+    loss_non_finite: bool | None = None
+    """Whether the latest attempt's loss is inf/NaN; `None` until it is known."""
+    attempt: int = 0
+    gradients_arrived: bool = False
+    """Whether a backward produced gradients for the trainable parameters since the micro-batch began."""
 
 
-def accumulate_with_recompute(
-    backward: UnfoldedBackward,
-    compute_loss: Callable[[], torch.Tensor],
-    num_items: float,
-    *,
-    window: WindowState,
-    scaler: DynamicLossScaler,
-    max_attempts: int,
-    micro_step: int,
-) -> torch.Tensor:
+def back_off_after_overflow(
+    micro: MicroBatch, window: WindowState, scaler: DynamicLossScaler, max_attempts: int, micro_step: int
+) -> bool:
     """
-    Forward + backward one micro-batch of `num_items` items, redoing it at a backed-off loss scale while its
-    gradients overflow (at most `max_attempts` times). Returns the detached loss of the last attempt. A micro-batch
-    that still overflows at the last attempt, or whose unscaled loss is itself non-finite, marks the `window` as
-    overflowed (it is skipped at its end). A recomputed micro-batch counts once in `window.recomputed`, however many
-    backoffs it needs; `micro_step` only names it in the logs.
+    After an attempt of `micro` whose gradients overflowed (and were dropped): back the scale off and return whether
+    to compute the micro-batch again. A micro-batch that still overflows after `max_attempts` backoffs, or at the
+    minimum scale, is treated as a real inf/NaN: the `window` is marked overflowed and skipped at its end. A
+    recomputed micro-batch counts once in `window.recomputed`, however many backoffs it needs; `micro_step` only
+    names it in the logs.
     """
-    for attempt in range(max_attempts + 1):
-        loss = compute_loss()
-        if backward.loss_non_finite(loss, num_items):
-            # The unscaled loss itself is inf/NaN: no scale can fix that.
-            window.record_loss(loss, num_items)
-            window.overflowed = True
-            logger.warning("Non-finite loss in micro-batch %d; the window will be skipped.", micro_step)
-            return loss.detach()
-        # Fold only after checking: a folded inf cannot be taken out of the buffer again.
-        if not backward.backward_unfolded(loss, num_items):
-            backward.fold_pending(num_items)
-            window.record_loss(loss, num_items)
-            return loss.detach()
-        backward.drop_pending()
-        at_min_scale = scaler.at_min_scale
-        scaler.update(found_inf=True)
-        window.backoffs += 1
-        if attempt == max_attempts or at_min_scale:
-            break
-        if attempt == 0:  # counted once per micro-batch, however many backoffs it needs
-            window.recomputed += 1
-        logger.info("fp16 overflow in micro-batch %d: recomputing at scale %g.", micro_step, scaler.scale)
-    logger.warning(
-        "Micro-batch %d still overflows at loss scale %g: treating it as a real inf/NaN and skipping the window.",
-        micro_step,
-        scaler.scale,
-    )
-    window.overflowed = True
-    return loss.detach()
+    at_min_scale = scaler.at_min_scale
+    scaler.update(found_inf=True)
+    window.backoffs += 1
+    if micro.attempt == max_attempts or at_min_scale:
+        logger.warning(
+            "Micro-batch %d still overflows at loss scale %g: treating it as a real inf/NaN and skipping the window.",
+            micro_step,
+            scaler.scale,
+        )
+        window.overflowed = True
+        return False
+    if micro.attempt == 0:
+        window.recomputed += 1
+    micro.attempt += 1
+    logger.info("fp16 overflow in micro-batch %d: recomputing at scale %g.", micro_step, scaler.scale)
+    return True
