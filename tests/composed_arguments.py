@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainingArguments
-from trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, SFTConfig
 
 from hf_gradaccum import GradAccumFields
 
@@ -34,4 +34,9 @@ class GradAccumSeq2SeqArguments(GradAccumFields, Seq2SeqTrainingArguments):
 
 @dataclass
 class GradAccumKTOConfig(GradAccumFields, KTOConfig):
+    pass
+
+
+@dataclass
+class GradAccumGRPOConfig(GradAccumFields, GRPOConfig):
     pass

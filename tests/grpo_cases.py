@@ -123,8 +123,10 @@ def _settings(ga: int, batch: int, spg: int | None, overrides: dict[str, Any]) -
     return settings
 
 
-def grpo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, **overrides: Any) -> GRPOConfig:
-    return GRPOConfig(output_dir, **_settings(ga, batch, spg, overrides))
+def grpo_args(
+    output_dir: str, *, ga: int, batch: int, spg: int | None = None, config_cls: type = GRPOConfig, **overrides: Any
+) -> GRPOConfig:
+    return config_cls(output_dir, **_settings(ga, batch, spg, overrides))
 
 
 def rloo_args(output_dir: str, *, ga: int, batch: int, spg: int | None = None, **overrides: Any) -> RLOOConfig:

@@ -188,13 +188,16 @@ class _CountingOffload:
     """Stands in for TRL's activation-offloading context: records that each micro-batch's backward runs inside it."""
 
     def __init__(self, trainer):
-        self.trainer, self.inside = trainer, []
+        self.trainer, self.inside, self.gradients, self.hook = trainer, [], [], None
 
     @contextlib.contextmanager
     def _ctx(self):
-        before = self.trainer.accumulator.micro_step if self.trainer.accumulator else 0
+        if self.hook is None:  # a backward produced a gradient for this parameter
+            param = next(p for p in self.trainer.model.parameters() if p.requires_grad)
+            self.hook = param.register_post_accumulate_grad_hook(lambda p: self.gradients.append(1))
+        before = len(self.gradients)
         yield
-        self.inside.append(self.trainer.accumulator.micro_step - before)
+        self.inside.append(len(self.gradients) - before)
 
     def __enter__(self):
         self._cm = self._ctx()
@@ -228,7 +231,10 @@ def test_sft_training_step_context_and_metrics_are_kept(order, tmp_path):
     assert all(h["accumulator/applied_steps"] >= 1 for h in logged)
 
 
-def test_parent_training_step_that_bypasses_accelerator_backward_is_refused(tmp_path):
+def test_parent_training_step_that_bypasses_accelerator_backward(tmp_path):
+    """A parent `training_step` with its own `loss.backward()`: in fp32 its gradients are folded item-weighted as
+    the Accelerator's would be (the same weights, bit for bit); under fp16 the loss must be scaled first, so it is
+    refused before anything is applied."""
     from transformers import Trainer
 
     class OwnBackward(Trainer):
@@ -237,11 +243,18 @@ def test_parent_training_step_that_bypasses_accelerator_backward_is_refused(tmp_
             loss.backward()
             return loss.detach()
 
-    cls = type("Composed", (GradAccumTrainer, OwnBackward), {})
-    args = GradAccumArguments(str(tmp_path), **TRAIN_ARGS)
-    trainer = cls(model=tiny_llama(), args=args, train_dataset=_token_rows(8), data_collator=_collate)
-    with pytest.raises(RuntimeError, match="without calling `self.accelerator.backward"):
+    def train(cls, name, **overrides):
+        args = GradAccumArguments(str(tmp_path / name), **{**TRAIN_ARGS, **overrides})
+        trainer = cls(model=tiny_llama(), args=args, train_dataset=_token_rows(8), data_collator=_collate)
         trainer.train()
+        return trainer
+
+    composed = type("Composed", (GradAccumTrainer, OwnBackward), {})
+    own, plain = train(composed, "own"), train(GradAccumTrainer, "plain")
+    for (name, a), (_, b) in zip(own.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(RuntimeError, match="without calling `self.accelerator.backward"):
+        train(composed, "fp16", fp16=True)
 
 
 # ---------------------------------------------------------------------------------- resume and a clean output_dir

@@ -126,6 +126,39 @@ def test_refuses_what_cannot_be_exact_before_training(tmp_path, config, needle):
         assert "GRPOTrainer" in message and repr(config["loss_type"]) in message and needle in message
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_fp16_overflow_recomputes_the_same_micro_batch(tmp_path, loss_type):
+    """fp16: the first micro-batch overflows at scale 2**40 and is recomputed at 2**10 on the completions its first
+    forward saw (TRL has advanced to the next buffered micro-batch by then). The update equals, bit for bit, a run
+    at 2**10 from the start, in both class orders."""
+    from tests.composed_arguments import GradAccumGRPOConfig
+
+    for order in GRPO_ORDERS:
+        runs = {}
+        for name, scaling in {
+            "overflow": dict(loss_scale_init=2.0**40, loss_scale_backoff_factor=2.0**-30),
+            "clean": dict(loss_scale_init=2.0**10),
+        }.items():
+            args = grpo_args(
+                str(tmp_path / f"{order}_{name}"),
+                ga=K,
+                batch=B,
+                config_cls=GradAccumGRPOConfig,
+                loss_type=loss_type,
+                fp16=True,
+                **scaling,
+            )
+            runs[name] = train_grpo(GRPO_ORDERS[order], args)
+        overflowed, clean = runs["overflow"].trainer.accumulator, runs["clean"].trainer.accumulator
+        assert overflowed.recomputed_micro_batches == 1 and clean.recomputed_micro_batches == 0
+        assert overflowed.applied_steps == clean.applied_steps == 1
+        assert overflowed.loss_scaler.scale == clean.loss_scaler.scale == 2.0**10
+        assert_same_generations(runs["overflow"], runs["clean"])
+        error = relative_difference(runs["overflow"].update, runs["clean"].update)
+        print(f"{order} {loss_type}: fp16 recompute vs a clean run at the same scale {error:.1e}")
+        assert error == 0.0
+
+
 @pytest.mark.slow
 def test_grpo_error_table(tmp_path):
     """The measured table of docs/composition_rl.md: stock at GA = K and ours in both orders, against the large batch."""

@@ -16,11 +16,21 @@ from typing import Any
 
 import torch
 
+from ..engine.sharded import is_dtensor
 from .arguments import gradaccum_option
 
 logger = logging.getLogger(__name__)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def trainer_shards_gradients(trainer: Any) -> bool:
+    """Whether `trainer`'s model is (or will be, once Accelerate prepares it) sharded with FSDP2, so that its
+    gradients are summed over ranks by a reduce-scatter before the accumulator sees them."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if trainer.is_fsdp_enabled and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2:
+        return True
+    return any(is_dtensor(p) for p in trainer.model.parameters())
 
 
 def check_trainer_engine(trainer: Any) -> None:

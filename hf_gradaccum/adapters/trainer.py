@@ -55,7 +55,7 @@ from .compositions import CompositionError, refuse_unaccumulable_losses, unknown
 from .coupled import CoupledWindowMode
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
-from .sharding import check_trainer_engine
+from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
@@ -464,12 +464,15 @@ class GradAccumTrainer(Trainer):
                 f"{type(self).__name__}.training_step called `accelerator.backward` twice for one micro-batch; "
                 "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
             )
-        if not handed_over and not micro.gradients_arrived:
+        # A backward of the loss as it is suffices where the accumulator would not change it (fp32, replicated
+        # buffers); under fp16 loss scaling or FSDP2 it must pass through `accelerator.backward`.
+        if not handed_over and not (micro.gradients_arrived and accumulator.loss_factor_is_one):
             raise RuntimeError(
                 f"The training_step of {type(self).__name__}'s parent classes returned without calling "
                 "`self.accelerator.backward(loss)`, so GradAccumTrainer could not weight and accumulate the "
-                "gradient. Compose GradAccumTrainer only with trainers whose training_step ends in "
-                "`Trainer.training_step` (SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
+                "gradient (under fp16 loss scaling or FSDP2 the loss must be handed to the Accelerator). Compose "
+                "GradAccumTrainer only with trainers whose training_step ends in `Trainer.training_step` "
+                "(SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
             )
 
     def _recompute_micro_batch(self, model: nn.Module, inputs: Any, items: torch.Tensor | None) -> torch.Tensor:
@@ -501,9 +504,12 @@ class GradAccumTrainer(Trainer):
         the Accelerator was re-created (a hyperparameter search does).
         """
         loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
+        # At construction, before any checkpoint is resumed: the Trainer saves and loads `scaler.pt` when the
+        # Accelerator has a scaler, so it must be there from the start whenever it is there at all.
         needed = (
             loss_scaling
             or gradaccum_option(self.args, "take_back_skipped_steps")
+            or trainer_shards_gradients(self)
             or (accumulator is not None and not accumulator.loss_factor_is_one)
         )
         if not needed or isinstance(self.accelerator.scaler, WindowGradScaler):

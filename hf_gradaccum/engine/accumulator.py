@@ -341,6 +341,16 @@ class GradientAccumulator:
         if not micro.backward_needed or micro.loss_non_finite:
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             return torch.zeros((), device=loss.device, requires_grad=True)
+        # FSDP2 (whose buffers need this call, `loss_factor_is_one` is False there): set just before a backward that
+        # will run, so that a skipped one leaves FSDP2's unsynced gradients to the window's end.
+        for module in self.buffers.fsdp_modules:
+            # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync` (the
+            # Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own reduce
+            # dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch fp16 check.
+            module.set_requires_gradient_sync(True, recurse=False)
+        # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for every
+        # micro-batch but the window's last.
+        self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
         loss_factor = self.buffers.weighting(micro.num_items, self.current_scale)[0]
         return loss * loss_factor if loss_factor != 1.0 else loss
 
@@ -384,18 +394,8 @@ class GradientAccumulator:
         return False
 
     def _arm(self, micro: MicroBatch) -> None:
-        """Get ready for `micro`'s backward: FSDP2's gradient sync, and how the hooks fold what arrives."""
+        """Get ready for `micro`'s backward: how the hooks fold what arrives."""
         micro.loss_non_finite = None
-        if micro.backward_needed:
-            for module in self.buffers.fsdp_modules:
-                # Reduce-scatter this micro-batch whatever an enclosing context asked for: Accelerate's `no_sync`
-                # (the Trainer's non-last micro-batches) would make FSDP2 accumulate unsharded gradients in its own
-                # reduce dtype (bf16 under Accelerate's bf16 policy), past the fp32 buffer and the per-micro-batch
-                # fp16 check.
-                module.set_requires_gradient_sync(True, recurse=False)
-            # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for
-            # every micro-batch but the window's last.
-            self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
         # Replicated: the item weight is applied at the fold; sharded: in the loss, before the reduce-scatter sums
         # the ranks' gradients (`weighting`).
         self._fold_alpha = self.buffers.weighting(micro.num_items, self.current_scale)[1]
