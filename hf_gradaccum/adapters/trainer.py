@@ -11,9 +11,10 @@ differences). Public methods overridden:
   and MoE window modes, prepare the window (`adapters/coupled.py`, `adapters/moe.py`);
 - `training_step`: each micro-batch goes through the parent classes' own `training_step`, `compute_loss` and
   `accelerator.backward`, unpatched (so a composed TRL/Seq2Seq trainer keeps its contexts, metrics and auxiliary
-  losses); Accelerate hands the loss to its scaler before the backward, and the scaler installed here
-  (`WindowGradScaler`) hands it to the accumulator, whose hooks fold the gradients item-weighted; after an fp16
-  overflow only that micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
+  losses), between the accumulator's `begin_micro_batch` and `end_micro_batch`, whose hooks fold the gradients
+  item-weighted; where the loss must change before its backward (fp16 loss scaling, FSDP2), Accelerate hands it to
+  the scaler installed here (`WindowGradScaler`), which asks the accumulator; after an fp16 overflow only that
+  micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
   mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
   out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
