@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "AccumulationPlan": ".helpers.planning",
     "CannotShrinkMicroBatchError": ".helpers.planning",
     "scale_learning_rate": ".helpers.lr_scaling",
+    "EffectiveBatchCallback": ".adapters.effective_batch",
     "apply_accumulation_bn_momentum": ".helpers.normalization",
     "convert_batchnorm_to_groupnorm": ".helpers.normalization",
     "freeze_batchnorm": ".helpers.normalization",
@@ -65,6 +66,7 @@ __all__ = [
     "CannotShrinkMicroBatchError",
     "CoupledLoss",
     "DynamicLossScaler",
+    "EffectiveBatchCallback",
     "GradAccumArguments",
     "GradAccumFields",
     "GradAccumTrainer",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .adapters.accumulation_check import AccumulationNotExactError
     from .adapters.arguments import GradAccumArguments, GradAccumFields
     from .adapters.coupled import clip_coupled_loss, ranking_coupled_loss
+    from .adapters.effective_batch import EffectiveBatchCallback
     from .adapters.moe import WindowRouterBalance
     from .adapters.trainer import GradAccumTrainer
     from .engine.accumulator import GradientAccumulator

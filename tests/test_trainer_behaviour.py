@@ -160,6 +160,44 @@ def test_opt_in_batch_policies_apply_once_at_construction(tmp_path):
     assert trainer.model[1].momentum == pytest.approx(1 - 0.9 ** (1 / 4))
 
 
+def test_effective_batch_callback_works_with_the_stock_trainer(tmp_path, caplog):
+    """The same policies as a plain callback of the stock `Trainer`: the rate is scaled before the optimizer exists,
+    once per arguments object, BatchNorm momentum is corrected, and linear scaling without warmup warns at train
+    start with a warmup suggestion; bad values name the argument."""
+    from hf_gradaccum import EffectiveBatchCallback
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3, momentum=0.1))
+    callback = EffectiveBatchCallback("sqrt", reference_batch_size=2, batchnorm_momentum_correction=True)
+    args = _args(tmp_path / "stock", cls=TrainingArguments)
+    trainer = Trainer(model=model, args=args, callbacks=[callback])
+    assert trainer.args.learning_rate == pytest.approx(2e-3)  # sqrt(8 / 2) x 1e-3
+    callback.on_init_end(args, trainer.state, trainer.control, model=model)  # a repeated event changes nothing
+    assert trainer.args.learning_rate == pytest.approx(2e-3)
+    trainer.create_optimizer()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
+    assert model[1].momentum == pytest.approx(1 - 0.9 ** (1 / 4))
+
+    case = CASE_BY_NAME["bert_seq_cls"]
+    linear = EffectiveBatchCallback("linear", reference_batch_size=2)
+    trainer = Trainer(
+        model=case.make_model(),
+        args=_args(tmp_path / "linear", cls=TrainingArguments),
+        train_dataset=case.make_data(16, torch.Generator().manual_seed(0)),
+        callbacks=[linear],
+    )
+    with caplog.at_level("WARNING", logger="hf_gradaccum.adapters.effective_batch"):
+        trainer.train()
+    assert trainer.args.learning_rate == pytest.approx(4e-3)
+    assert any("consider `warmup_steps=10`" in r.getMessage() for r in caplog.records)  # 5 epochs x 2 steps
+
+    with pytest.raises(ValueError, match="lr_scaling_rule"):
+        EffectiveBatchCallback("cubic")
+    with pytest.raises(ValueError, match="reference_batch_size"):
+        EffectiveBatchCallback("linear")
+    with pytest.raises(ValueError, match="batchnorm_momentum_correction"):
+        EffectiveBatchCallback(batchnorm_momentum_correction="yes")
+
+
 def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched(tmp_path, monkeypatch):
     """Each micro-batch runs the parent's own `training_step` and `Accelerator.backward` once, with nothing swapped
     on the Accelerator (in fp32 the accumulator's hooks fold the parent's own backward), and the update equals the

@@ -14,9 +14,9 @@ from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, 
 from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
+from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule
 from .training_checks import validate_training_numbers
 
-LR_SCALING_RULES = ("none", "linear", "sqrt")
 VERIFY_MODES = ("off", "first_step", "every_n_steps")
 
 logger = logging.getLogger(__name__)
@@ -238,9 +238,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         gradaccum_option(args, "loss_scale_backoff_factor"),
         gradaccum_option(args, "loss_scale_growth_interval"),
     )
-    rule = gradaccum_option(args, "lr_scaling_rule")
-    if rule not in LR_SCALING_RULES:
-        raise ValueError(f"`lr_scaling_rule` must be one of {list(LR_SCALING_RULES)}, got {rule!r}.")
+    check_lr_scaling_rule(gradaccum_option(args, "lr_scaling_rule"), gradaccum_option(args, "reference_batch_size"))
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")
@@ -260,11 +258,6 @@ def validate_gradaccum_fields(args: Any) -> None:
     every = gradaccum_option(args, "verify_every_n_steps")
     if mode == "every_n_steps":
         validate_accumulation_steps(every, "verify_every_n_steps")
-    reference = gradaccum_option(args, "reference_batch_size")
-    if rule != "none" and (isinstance(reference, bool) or not isinstance(reference, int) or reference < 1):
-        raise ValueError(
-            f"`reference_batch_size` must be an integer >= 1 when `lr_scaling_rule={rule!r}`, got {reference!r}."
-        )
 
 
 _DEFAULTS = {f.name: f.default for f in fields(GradAccumFields)}

@@ -24,8 +24,10 @@ differences). Public methods overridden:
 
 Modes: `coupled_loss=` (a constructor argument, as transformers takes `compute_loss_func`) for a loss over the whole
 window (in-batch negatives); `moe_load_balance="window"` (an argument field) for exact MoE load balancing.
-Opt-in policies (off by default): `take_back_skipped_steps`, `refuse_resume_with_different_batch`,
-`atomic_checkpoints`, `lr_scaling_rule`, `batchnorm_momentum_correction`.
+Opt-in policies (off by default): `take_back_skipped_steps` and the effective-batch policies (`lr_scaling_rule`,
+`batchnorm_momentum_correction`) are callbacks the fields add ([`EffectiveBatchCallback`] also works with any
+`Trainer`); `refuse_resume_with_different_batch` is checked when `train()` resumes; `atomic_checkpoints` wraps
+`_save_checkpoint` (no callback runs before the files are written).
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .atomic_checkpoints import save_checkpoint_atomically
-from .batch_policies import apply_batch_policies
 from .compat import ATOMIC_CHECKPOINT_PRIVATE_NAMES, CORE_PRIVATE_NAMES, require_private_names
 from .compositions import CompositionError, refuse_unaccumulable_losses, unknown_composed_trainer
 from .coupled import CoupledWindowMode
+from .effective_batch import EffectiveBatchCallback
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
@@ -171,7 +173,12 @@ class GradAccumTrainer(Trainer):
         self.add_callback(_LoopRestartCallback(self))
         if gradaccum_option(self.args, "take_back_skipped_steps"):
             self.add_callback(SkippedStepCallback(self._last_window_applied))
-        apply_batch_policies(self)
+        effective_batch = EffectiveBatchCallback.from_args(self.args)
+        if effective_batch is not None:
+            self.add_callback(effective_batch)
+            # The parent's `on_init_end` ran before this class's fields were read; the policy acts now, still before
+            # the optimizer and scheduler are created.
+            effective_batch.on_init_end(self.args, self.state, self.control, model=self.model)
         self._route_composed_losses()
 
     def _route_composed_losses(self) -> None:

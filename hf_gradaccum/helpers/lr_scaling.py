@@ -20,6 +20,29 @@ from ..engine.validation import check_positive_float, check_positive_int
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 
+def check_lr_scaling_rule(rule: str, reference_batch_size: int | None) -> None:
+    """
+    Refuse an unknown scaling rule, or a rule other than `"none"` without the batch size the learning rate was tuned
+    at, with an error that names the argument.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.helpers.lr_scaling import check_lr_scaling_rule
+    >>> check_lr_scaling_rule("sqrt", 32)
+    ```
+    """
+    if rule not in LR_SCALING_RULES:
+        raise ValueError(f"`lr_scaling_rule` must be one of {list(LR_SCALING_RULES)}, got {rule!r}.")
+    if rule != "none" and (
+        isinstance(reference_batch_size, bool) or not isinstance(reference_batch_size, int) or reference_batch_size < 1
+    ):
+        raise ValueError(
+            f"`reference_batch_size` must be an integer >= 1 when `lr_scaling_rule={rule!r}`, "
+            f"got {reference_batch_size!r}."
+        )
+
+
 def effective_batch_size(micro_batch_size: int, gradient_accumulation_steps: int = 1, world_size: int = 1) -> int:
     """
     Samples per optimizer step: `micro_batch_size * gradient_accumulation_steps * world_size`.
