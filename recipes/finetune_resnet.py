@@ -29,46 +29,23 @@ With the Hub:
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import evaluate
 import numpy as np
 import torch
-from harness.arms import (
-    BATCHNORM_MODES,
-    ArmSpec,
-    ParityArguments,
-    apply_memory_limit,
-    arm_overrides,
-    check_batch_layout,
-    describe_device,
-    describe_layout,
-    launch_command,
-    per_arm_settings,
-    perturb_for_noise_floor,
-    plan_arms,
-    report_parity_run,
-    run_arms_in_subprocesses,
-    train_and_record_arm,
-)
-from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
-from harness.metrics import metric_path
-from harness.verification_report import add_verification_to_report, with_verification
+from harness.arms import BATCHNORM_MODES, ArmSpec, ParityArguments, perturb_for_noise_floor
+from harness.config import ConfigError, check_sources_and_rate
+from harness.experiment import ParityExperiment, accuracy_metrics
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, set_seed
+from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
 from hf_gradaccum.assets import MissingAssetError, locate_asset
 from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "finetune_resnet.yaml"
-# The arm whose model is saved into `output_dir` (save_pretrained). With `batchnorm: groupnorm` its config still says
-# BatchNorm: reload, then `convert_batchnorm_to_groupnorm(model)` (it keeps the loaded weight and bias).
-SAVED_ARM = "accumulated"
 # MNIST's pixel mean and standard deviation (in [0, 1]), the usual normalisation for a model trained from scratch.
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
@@ -135,15 +112,14 @@ class ResNetRecipeArguments:
 
 def parse_args(argv: list[str]) -> tuple[ResNetRecipeArguments, ParityArguments, GradAccumArguments]:
     """YAML `--config` (default: configs/finetune_resnet.yaml) as defaults, command-line flags on top."""
-    default_config = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
-    parser = RecipeArgumentParser(
-        (ResNetRecipeArguments, ParityArguments, GradAccumArguments),
-        default_config=default_config,
-        # Every arm proves split invariance on its first window unless told otherwise (`with_verification`).
-        run_defaults={"verify_accumulation": "first_step"},
-        fixed=per_arm_settings(),
-    )
-    return parser.parse_recipe_args(argv)
+    return EXPERIMENT.parse_args(argv)
+
+
+# The `accumulated` arm's model is saved into `output_dir` (save_pretrained). With `batchnorm: groupnorm` its config
+# still says BatchNorm: reload, then `convert_batchnorm_to_groupnorm(model)` (it keeps the loaded weight and bias).
+EXPERIMENT = ParityExperiment(
+    "finetune_resnet", __file__, ResNetRecipeArguments, REPO_ROOT / "configs" / "finetune_resnet.yaml"
+)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -297,15 +273,12 @@ def apply_batchnorm_mode(model: torch.nn.Module, mode: str, *, steps: int, group
 # ---------------------------------------------------------------------------------------------------- checks
 def check_before_training(specs: list[ArmSpec], data: ImageData, training_args: GradAccumArguments) -> None:
     """Fail with a clear message, before any arm starts, on layouts the data cannot fill."""
-    try:
-        check_batch_layout(
-            specs,
-            train_samples=len(data.train_labels),
-            eval_samples=len(data.eval_labels),
-            training_args=training_args,
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    EXPERIMENT.check_layout(
+        specs,
+        train_samples=len(data.train_labels),
+        eval_samples=len(data.eval_labels),
+        training_args=training_args,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- one arm
@@ -313,12 +286,7 @@ def run_arm(
     spec: ArmSpec, recipe_args: ResNetRecipeArguments, parity_args: ParityArguments, output_dir: str, argv: list[str]
 ) -> None:
     """Train and evaluate one arm in this process; write `arms/<arm>/arm_result.json` (and weights)."""
-    start = time.perf_counter()
-    # The user's arguments with this arm's batch layout and per-step logging appended (they win).
-    args = parse_args(argv + arm_overrides(spec, output_dir))[2]
-    print(f"[{spec.name}] {describe_layout(spec)}; {apply_memory_limit(parity_args.max_memory_mb, args.device)}")
-
-    set_seed(args.seed)
+    args = EXPERIMENT.arm_arguments(spec, parity_args, output_dir, argv)
     data = load_image_data(recipe_args, args.seed)
     model, mean, std = build_model(recipe_args, data.label_names)
     batchnorm_layers = apply_batchnorm_mode(
@@ -326,42 +294,25 @@ def run_arm(
     )
     if spec.kind == "noise_floor":
         perturb_for_noise_floor(model)
-    collator = ImageCollator(recipe_args.image_size, model.config.num_channels, mean, std)
-
-    accuracy = evaluate.load(metric_path("accuracy"))
-
-    def compute_metrics(eval_pred):
-        logits, labels = eval_pred
-        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=labels)
-
     trainer = GradAccumTrainer(
         model=model,
         args=args,
         train_dataset=ImageTensorDataset(data.train_images, data.train_labels),
         eval_dataset=ImageTensorDataset(data.eval_images, data.eval_labels),
-        data_collator=collator,
-        compute_metrics=compute_metrics,
+        data_collator=ImageCollator(recipe_args.image_size, model.config.num_channels, mean, std),
+        compute_metrics=accuracy_metrics(),
     )
-    train_and_record_arm(
-        trainer, spec, output_dir=output_dir, start_time=start, save_model=spec.name == SAVED_ARM, batchnorm_layers=batchnorm_layers,
-    )  # fmt: skip
+    EXPERIMENT.train_arm(trainer, spec, output_dir=output_dir, batchnorm_layers=batchnorm_layers)
 
 
 # ---------------------------------------------------------------------------------------------------- all arms
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    start = time.perf_counter()
     try:
         recipe_args, parity_args, training_args = parse_args(argv)
-        specs = plan_arms(
-            parity_args.arms,
-            micro_batch_size=training_args.per_device_train_batch_size,
-            gradient_accumulation_steps=training_args.gradient_accumulation_steps,
-            batchnorm=recipe_args.batchnorm,
-        )
-        if parity_args.run_single_arm is not None:
-            # We are a child started by the parent below: run our arm only.
-            spec = next(s for s in specs if s.name == parity_args.run_single_arm)
+        specs = EXPERIMENT.plan(parity_args, training_args, batchnorm=recipe_args.batchnorm)
+        spec = EXPERIMENT.single_arm(specs, parity_args)
+        if spec is not None:  # a child started by `EXPERIMENT.run` below: run this arm only
             run_arm(spec, recipe_args, parity_args, training_args.output_dir, argv)
             return 0
         # Everything that can be wrong with the configuration is checked here, before any arm starts.
@@ -373,40 +324,24 @@ def main(argv: list[str] | None = None) -> int:
         data = load_image_data(recipe_args, training_args.seed)
         check_before_training(specs, data, training_args)
     except (ConfigError, MissingAssetError) as error:
-        print(f"finetune_resnet.py: error: {error}", file=sys.stderr)
-        return 2
+        return EXPERIMENT.refuse(error)
 
-    output_dir = Path(training_args.output_dir)
     print(
         f"Training {recipe_args.model_name_or_path or 'a random-init ResNet'} on {data.description}: "
         f"{len(data.train_labels):,} train / {len(data.eval_labels):,} eval images at {recipe_args.image_size}px; "
         f"arms: {', '.join(parity_args.arms)}"
     )
-    # Every arm proves split invariance on its first window; the verdicts go into the report (`accumulation_check`).
-    argv = with_verification(argv, training_args)
-    results = run_arms_in_subprocesses(specs, script=__file__, argv=argv, output_dir=output_dir)
-
     model_name = recipe_args.model_name_or_path or (
         f"random-init ResNet (basic, stages {recipe_args.resnet_hidden_sizes}, depths {recipe_args.resnet_depths})"
     )
     metadata = {
-        "recipe": "finetune_resnet",
-        "command": launch_command(__file__, argv),
         "model": model_name,
         "dataset": data.description,
         "train_samples": len(data.train_labels),
         "eval_samples": len(data.eval_labels),
-        "num_train_epochs": training_args.num_train_epochs,
-        "seed": training_args.seed,
-        "device": describe_device(training_args.device),
         "majority_class_accuracy": float(torch.bincount(data.eval_labels).max()) / len(data.eval_labels),
-        "total_wall_time_s": time.perf_counter() - start,
     }
-    status = report_parity_run(
-        results, specs, metadata=metadata, parity_args=parity_args, output_dir=output_dir, saved_arm=SAVED_ARM
-    )
-    add_verification_to_report(output_dir, specs)
-    return status
+    return EXPERIMENT.run(argv, specs, parity_args=parity_args, training_args=training_args, metadata=metadata)
 
 
 if __name__ == "__main__":
