@@ -270,32 +270,6 @@ def per_arm_settings() -> dict[str, Any]:
     return settings
 
 
-def check_batch_layout(specs: Sequence[ArmSpec], *, train_samples: int, eval_samples: int, training_args: Any) -> None:
-    """
-    Fail before any arm starts when the data cannot fill the requested batches: a micro-batch larger than the
-    training set, or a step (the reference's `micro x N` samples, times the processes) larger than it.
-
-    Raises:
-        `ValueError`: with the numbers involved and what to change.
-    """
-    world = training_args.world_size
-    micro = training_args.per_device_train_batch_size
-    if micro > train_samples:
-        raise ValueError(
-            f"per_device_train_batch_size={micro} is larger than the training set ({train_samples} samples): "
-            "lower it or raise max_train_samples."
-        )
-    largest = max(spec.effective_batch_size for spec in specs) * world
-    if largest > train_samples:
-        raise ValueError(
-            f"The largest arm takes {largest} samples per optimizer step (per_device_train_batch_size {micro} x "
-            f"gradient_accumulation_steps {training_args.gradient_accumulation_steps} x {world} process(es)) but "
-            f"the training set has only {train_samples} samples: lower one of them or raise max_train_samples."
-        )
-    if eval_samples < 1:
-        raise ValueError("The evaluation set is empty: raise max_eval_samples.")
-
-
 # ---------------------------------------------------------------------------------------------------- subprocesses
 def run_arms_in_subprocesses(
     specs: Sequence[ArmSpec], *, script: str | Path, argv: Sequence[str], output_dir: str | Path
@@ -605,71 +579,7 @@ class QuietProgressCallback(ProgressCallback):
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
 
 
-# ---------------------------------------------------------------------------------------------------- one arm, all arms
-def train_and_record_arm(
-    trainer: Any,
-    spec: ArmSpec,
-    *,
-    output_dir: str | Path,
-    start_time: float,
-    save_model: bool,
-    batchnorm_layers: int = 0,
-) -> None:
-    """
-    Train and evaluate one arm with its ready `trainer`, then (on the main process) write `arms/<arm>/arm_result.json`
-    and the arm's weights, and `save_model(output_dir)` for the arm a user would keep. The recipes build the trainer;
-    everything after that is the same for every recipe.
-
-    Args:
-        trainer ([`GradAccumTrainer`]): the arm's trainer.
-        spec ([`ArmSpec`]): the arm.
-        output_dir (`str` or `Path`): the run's output folder (the arm writes into `arms/<arm>/`).
-        start_time (`float`): `time.perf_counter()` when the arm's process started, for its wall time.
-        save_model (`bool`): also `trainer.save_model(output_dir)` (`from_pretrained(output_dir)` then works).
-        batchnorm_layers (`int`, *optional*): BatchNorm layers that still use batch statistics, for the report.
-
-    Example:
-
-    ```python
-    >>> train_and_record_arm(trainer, spec, output_dir="out", start_time=start, save_model=True)  # doctest: +SKIP
-    ```
-    """
-    if not trainer.args.disable_tqdm:
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(QuietProgressCallback)
-    device = trainer.args.device
-    reset_peak_memory(device)
-    baseline = current_memory_mb(device)
-    try:
-        train_metrics = trainer.train().metrics
-    except torch.OutOfMemoryError as error:
-        # Only on CUDA with `max_memory_mb`: the emulated small device cannot hold this arm.
-        if trainer.is_world_process_zero():
-            write_arm_result(failed_arm_result(spec, str(error).splitlines()[0], status="oom"), output_dir)
-        return
-    # Read the peak now: evaluation and saving below are not what the memory limit is about.
-    peak = peak_memory_mb(device)
-    eval_metrics = trainer.evaluate()
-    if not trainer.is_world_process_zero():
-        return
-    result = collect_arm_result(
-        spec,
-        trainer,
-        train_metrics=train_metrics,
-        eval_metrics=eval_metrics,
-        peak_memory_mb=peak,
-        baseline_memory_mb=baseline,
-        wall_time_s=time.perf_counter() - start_time,
-        batchnorm_layers=batchnorm_layers,
-    )
-    save_arm_weights(
-        trainer.accelerator.unwrap_model(trainer.model), arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE
-    )
-    if save_model:
-        trainer.save_model(output_dir)
-    write_arm_result(result, output_dir)
-
-
+# ---------------------------------------------------------------------------------------------------- all arms
 def report_parity_run(
     results: Sequence[dict[str, Any]],
     specs: Sequence[ArmSpec],

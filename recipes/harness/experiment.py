@@ -17,24 +17,34 @@ from typing import Any
 
 import evaluate
 import numpy as np
+import torch
 from transformers import set_seed
+from transformers.trainer_callback import ProgressCallback
 
 from hf_gradaccum import GradAccumArguments
 
 from .arms import (
+    ARM_WEIGHTS_FILE,
     ArmSpec,
     ParityArguments,
+    QuietProgressCallback,
     apply_memory_limit,
+    arm_dir,
     arm_overrides,
-    check_batch_layout,
+    collect_arm_result,
+    current_memory_mb,
     describe_device,
     describe_layout,
+    failed_arm_result,
     launch_command,
+    peak_memory_mb,
     per_arm_settings,
     plan_arms,
     report_parity_run,
+    reset_peak_memory,
     run_arms_in_subprocesses,
-    train_and_record_arm,
+    save_arm_weights,
+    write_arm_result,
 )
 from .config import ConfigError, RecipeArgumentParser
 from .metrics import metric_path
@@ -107,27 +117,71 @@ class ParityExperiment:
         set_seed(args.seed)
         return args
 
-    def train_arm(self, trainer: Any, spec: ArmSpec, *, output_dir: str, **extra: Any) -> None:
-        """Train and evaluate the arm's ready trainer; write `<output_dir>/arms/<arm>/arm_result.json` (and weights)."""
-        train_and_record_arm(
-            trainer,
+    def train_arm(self, trainer: Any, spec: ArmSpec, *, output_dir: str, batchnorm_layers: int = 0) -> None:
+        """
+        Train and evaluate the arm's ready trainer, then (on the main process) write
+        `<output_dir>/arms/<arm>/arm_result.json` and the arm's weights, and `save_model(output_dir)` for the arm a
+        user would keep (`from_pretrained(output_dir)` then works). `batchnorm_layers`: BatchNorm layers that still
+        use batch statistics, for the report.
+        """
+        if not trainer.args.disable_tqdm:
+            trainer.remove_callback(ProgressCallback)
+            trainer.add_callback(QuietProgressCallback)
+        device = trainer.args.device
+        reset_peak_memory(device)
+        baseline = current_memory_mb(device)
+        try:
+            train_metrics = trainer.train().metrics
+        except torch.OutOfMemoryError as error:
+            # Only on CUDA with `max_memory_mb`: the emulated small device cannot hold this arm.
+            if trainer.is_world_process_zero():
+                write_arm_result(failed_arm_result(spec, str(error).splitlines()[0], status="oom"), output_dir)
+            return
+        # Read the peak now: evaluation and saving below are not what the memory limit is about.
+        peak = peak_memory_mb(device)
+        eval_metrics = trainer.evaluate()
+        if not trainer.is_world_process_zero():
+            return
+        result = collect_arm_result(
             spec,
-            output_dir=output_dir,
-            start_time=self.start_time,
-            save_model=spec.name == self.saved_arm,
-            **extra,
+            trainer,
+            train_metrics=train_metrics,
+            eval_metrics=eval_metrics,
+            peak_memory_mb=peak,
+            baseline_memory_mb=baseline,
+            wall_time_s=time.perf_counter() - self.start_time,
+            batchnorm_layers=batchnorm_layers,
         )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        save_arm_weights(model, arm_dir(output_dir, spec.name) / ARM_WEIGHTS_FILE)
+        if spec.name == self.saved_arm:
+            trainer.save_model(output_dir)
+        write_arm_result(result, output_dir)
 
     def check_layout(
         self, specs: Sequence[ArmSpec], *, train_samples: int, eval_samples: int, training_args: GradAccumArguments
     ) -> None:
-        """Refuse, before any arm starts, layouts the data cannot fill."""
-        try:
-            check_batch_layout(
-                specs, train_samples=train_samples, eval_samples=eval_samples, training_args=training_args
+        """
+        Refuse, before any arm starts, layouts the data cannot fill: a micro-batch larger than the training set, or a
+        step (the reference's `micro x N` samples, times the processes) larger than it.
+        """
+        world = training_args.world_size
+        micro = training_args.per_device_train_batch_size
+        if micro > train_samples:
+            raise ConfigError(
+                f"per_device_train_batch_size={micro} is larger than the training set ({train_samples} samples): "
+                "lower it or raise max_train_samples."
             )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        largest = max(spec.effective_batch_size for spec in specs) * world
+        if largest > train_samples:
+            raise ConfigError(
+                f"The largest arm takes {largest} samples per optimizer step (per_device_train_batch_size {micro} x "
+                f"gradient_accumulation_steps {training_args.gradient_accumulation_steps} x {world} process(es)) "
+                f"but the training set has only {train_samples} samples: lower one of them or raise "
+                "max_train_samples."
+            )
+        if eval_samples < 1:
+            raise ConfigError("The evaluation set is empty: raise max_eval_samples.")
 
     def refuse(self, error: Exception) -> int:
         """A configuration error, said in one line before any work starts; the exit status 2 of argparse."""
