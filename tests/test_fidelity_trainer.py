@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import SchedulerType, TrainerCallback
 
+from hf_gradaccum import GradAccumTrainer
 from tests.fidelity_support import (
     RTOL,
     assert_logs_match,
@@ -301,7 +302,9 @@ def test_training_step_outside_train_matches_stock(tmp_path):
 
 
 def test_hyperparameter_search_matches_stock(tmp_path):
-    pytest.importorskip("optuna", reason="optuna is not installed: Trainer.hyperparameter_search needs a backend")
+    optuna = pytest.importorskip(
+        "optuna", reason="optuna is not installed: Trainer.hyperparameter_search needs a backend"
+    )
     from tests.fidelity_support import TRAINERS, args, data
 
     results = {}
@@ -317,6 +320,43 @@ def test_hyperparameter_search_matches_stock(tmp_path):
             n_trials=2,
             direction="minimize",
             backend="optuna",
+            sampler=optuna.samplers.TPESampler(seed=0),  # both sides try the same learning rates
         )
     assert results["stock"].hyperparameters == results["ours"].hyperparameters
     assert close(results["stock"].objective, results["ours"].objective)
+
+
+def test_hyperparameter_search_trials_keep_the_window_scaler(tmp_path):
+    """fp16, where the Accelerator must hold the window's scaler: every optimizer step of every trial of a
+    hyperparameter search (which may re-create the Accelerator per trial) runs with `WindowGradScaler`, and the best
+    trial's objective equals a plain run at its learning rate (1e-5 relative)."""
+    pytest.importorskip("optuna", reason="optuna is not installed: Trainer.hyperparameter_search needs a backend")
+    from hf_gradaccum.adapters.step_gating import WindowGradScaler
+    from tests.fidelity_support import args, data
+
+    scalers = []
+
+    class RecordScaler(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scalers.append(type(searching.accelerator.scaler))
+
+    def build(output_dir, **overrides):
+        return GradAccumTrainer(
+            model_init=tiny_model,
+            args=args(output_dir, fp16=True, gradient_accumulation_steps=2, eval_strategy="epoch", **overrides),
+            train_dataset=data(16),
+            eval_dataset=data(8, seed=2),
+        )
+
+    searching = build(tmp_path / "search")
+    searching.add_callback(RecordScaler())
+    best = searching.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True)},
+        n_trials=2,
+        direction="minimize",
+        backend="optuna",
+    )
+    assert len(scalers) == 2 * 2 and set(scalers) == {WindowGradScaler}  # 2 trials x 2 windows of 2 x 4
+    plain = build(tmp_path / "plain", learning_rate=best.hyperparameters["learning_rate"])
+    plain.train()
+    assert close(best.objective, plain.evaluate()["eval_loss"])
