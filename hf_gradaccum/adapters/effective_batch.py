@@ -16,7 +16,12 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..helpers.lr_scaling import check_lr_scaling_rule, recommended_warmup_steps, scale_learning_rate
+from ..helpers.lr_scaling import (
+    check_lr_scaling_rule,
+    effective_batch_size,
+    recommended_warmup_steps,
+    scale_learning_rate,
+)
 from ..helpers.normalization import apply_accumulation_bn_momentum
 from .arguments import gradaccum_option
 
@@ -128,4 +133,4 @@ class EffectiveBatchCallback(TrainerCallback):
 
 
 def _effective_batch(args: TrainingArguments) -> int:
-    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    return effective_batch_size(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size)
