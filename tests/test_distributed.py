@@ -39,8 +39,12 @@ def test_plain_loop_under_ddp_matches_large_batch(case_name, tmp_path):
     )
 
 
+# `user_compute_loss_func`: a loss that divides by the `num_items_in_batch` it is given, which the Trainer then
+# multiplies by the number of ranks (`average_tokens_across_devices`).
 @needs_sampling_strategy
-@pytest.mark.parametrize("case_name", ["bert_seq_cls", pytest.param("gpt2_causal_lm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case_name", ["bert_seq_cls", "user_compute_loss_func", pytest.param("gpt2_causal_lm", marks=pytest.mark.slow)]
+)
 def test_trainer_under_ddp_matches_large_batch(case_name, tmp_path):
     launch("trainer_parity", case_name, str(tmp_path))
     for r in (0, 1):

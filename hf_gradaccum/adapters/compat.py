@@ -104,6 +104,18 @@ def rotate_checkpoints(trainer: Any, output_dir: str, use_mtime: bool = True) ->
     )
 
 
+def trainer_reads_loss_is_scaled_for_ga() -> bool:
+    """
+    Whether the installed `Trainer.training_step` reads `loss_is_scaled_for_ga` (transformers 5.19 and later), the
+    attribute transformers documents for subclasses that compute their own loss: `True` means the loss is used as it
+    is, not divided by `current_gradient_accumulation_steps`. Older releases decide from `model_accepts_loss_kwargs`
+    and `compute_loss_func` alone, and divide whenever there is no `compute_loss_func`.
+    """
+    from transformers import Trainer
+
+    return hasattr(Trainer, "loss_is_scaled_for_ga")
+
+
 # The private Trainer/Accelerator names GradAccumTrainer's code reaches today, each with why; `tests/test_compat.py`
 # asserts every one exists in the installed release, so a release that renames one fails there, by name, rather than
 # deep in a training run. ("Trainer.x": a method or attribute of the class; "args.x": a `TrainingArguments` field;
@@ -114,7 +126,8 @@ PRIVATE_TRAINER_NAMES = {
     "Trainer._get_output_dir": "opt-in `atomic_checkpoints`: points the parent's save at a staging directory",
     "Trainer._save_checkpoint": "opt-in `atomic_checkpoints`: wrapped to publish by rename (no public hook around it)",
     "trainer._train_batch_size": "the out-of-memory retry halves the micro-batch it trains with",
-    "args.average_tokens_across_devices": "switched off per micro-batch: the accumulator counts items across ranks",
+    "args.average_tokens_across_devices": "read: with a `compute_loss_func`, the micro-batch's count is handed over "
+    "as every rank's, as the Trainer expects when it is on",
     "trainer.model_accepts_loss_kwargs": "set to False: the model's own per-micro-batch mean is what is weighted",
     "trainer.accelerator.scaler": "replaced by `WindowGradScaler` (a disabled GradScaler that reports skipped steps): "
     "the accumulator owns fp16 loss scaling",

@@ -52,7 +52,12 @@ from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
 from .atomic_checkpoints import save_checkpoint_atomically
-from .compat import ATOMIC_CHECKPOINT_PRIVATE_NAMES, CORE_PRIVATE_NAMES, require_private_names
+from .compat import (
+    ATOMIC_CHECKPOINT_PRIVATE_NAMES,
+    CORE_PRIVATE_NAMES,
+    require_private_names,
+    trainer_reads_loss_is_scaled_for_ga,
+)
 from .compositions import CompositionError, refuse_unaccumulable_losses, unknown_composed_trainer
 from .coupled import CoupledWindowMode
 from .effective_batch import EffectiveBatchCallback
@@ -151,12 +156,15 @@ class GradAccumTrainer(Trainer):
         # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
         self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
-        # The model computes its own mean over its items, which we weight; we do not pass `num_items_in_batch`
-        # into `forward` because most heads (BERT, ResNet) ignore it. The Trainer's cross-device correction of that
-        # count (`average_tokens_across_devices`) would be applied twice (the accumulator already counts items across
-        # ranks), so it is switched off while each micro-batch runs (`_parent_training_step`) and the user's value is
-        # left in `self.args`, i.e. in the saved `training_args.bin`.
+        # The model computes its own mean over its items, which the accumulator weights: `num_items_in_batch` must
+        # not reach `forward` (most heads ignore it, some would divide by it), and the parent's `training_step` must
+        # not divide the loss by the accumulation steps. `loss_is_scaled_for_ga` is the attribute transformers
+        # documents for subclasses that scale their own loss; releases before 5.19 lack it, and there each
+        # micro-batch is presented with `current_gradient_accumulation_steps` 1 instead (`_parent_training_step`).
         self.model_accepts_loss_kwargs = False
+        self._present_one_step = not trainer_reads_loss_is_scaled_for_ga()
+        if not self._present_one_step:
+            self.loss_is_scaled_for_ga = True
         self._install_loss_handover()
         self.accumulator: GradientAccumulator | None = None
         self._window_items_local: float | None = None
@@ -406,12 +414,12 @@ class GradAccumTrainer(Trainer):
         the micro-batch's detached mean loss and its items (`num_items`, or for a generation batch, counted just
         before its loss).
 
-        While it runs, the micro-batch is presented to `compute_loss` as a batch of its own: `num_items_in_batch`
-        is its own item count and `current_gradient_accumulation_steps` is 1. A `compute_loss` that divides by
-        either (TRL's SFTTrainer divides its MoE router loss by the accumulation steps) then returns this
-        micro-batch's own loss, which the accumulator weights by its share of the window's items.
+        The parent's `compute_loss` returns the micro-batch's own mean loss, which the accumulator weights by its
+        share of the window's items: it gets no `num_items_in_batch` (so the model, a label smoother and TRL's
+        SFTTrainer take the micro-batch's own mean), except a `compute_loss_func`, which divides by what it is given
+        ([`_num_items_for_parent`]).
         """
-        items_tensor = None if num_items is None else torch.tensor(num_items, device=self.args.device)
+        parent_items = self._num_items_for_parent(num_items)
         counted: list[float] = []
         handed_over = [0]
 
@@ -430,33 +438,43 @@ class GradAccumTrainer(Trainer):
         self._hand_over = hand_over
         if num_items is not None:
             begin(num_items)
-        # The two values below are presented for the duration of the micro-batch only (see docs/design.md, "Trainer
-        # state the adapter touches"): the parent's own `training_step` must run unchanged (composed TRL trainers
-        # add contexts and metrics there) and these are the values it reads.
+        # transformers < 5.19 only: its `training_step` divides by this value unless a `compute_loss_func` is set.
         steps = getattr(self, "current_gradient_accumulation_steps", None)
-        average_tokens = getattr(self.args, "average_tokens_across_devices", False)
-        self.current_gradient_accumulation_steps = 1
-        self.args.average_tokens_across_devices = False
+        if self._present_one_step:
+            self.current_gradient_accumulation_steps = 1
         self._install_loss_handover(accumulator)
         try:
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
             self._in_micro_step = True
             with accumulator.accumulate(model):
-                loss = super().training_step(model, inputs, items_tensor)
+                loss = super().training_step(model, inputs, parent_items)
                 self._check_micro_batch_ran(accumulator, counted, handed_over[0])
                 while accumulator.end_micro_batch(loss):
-                    loss = self._recompute_micro_batch(model, inputs, items_tensor)
+                    loss = self._recompute_micro_batch(model, inputs, parent_items)
         finally:
             self._in_micro_step = False
             self._count_generation_micro_batch = self._hand_over = None
             self._pending_micro_batch = None
-            self.args.average_tokens_across_devices = average_tokens
-            if steps is None:
-                del self.current_gradient_accumulation_steps
-            else:
-                self.current_gradient_accumulation_steps = steps
+            if self._present_one_step:
+                if steps is None:
+                    del self.current_gradient_accumulation_steps
+                else:
+                    self.current_gradient_accumulation_steps = steps
         return loss, counted[0]
+
+    def _num_items_for_parent(self, num_items: float | None) -> torch.Tensor | None:
+        """
+        `num_items_in_batch` for the parent's `training_step`: `None`, so that each loss is its micro-batch's own
+        mean. A `compute_loss_func` divides by what it is given, so it gets the micro-batch's own count; with
+        `average_tokens_across_devices` on, the Trainer multiplies the loss by the number of processes (it takes the
+        count to span every rank, as its own does), so the count is handed over as every rank's.
+        """
+        # TRL (transformers < 5.19) stores a non-callable marker here to switch the Trainer's division off.
+        if num_items is None or not callable(self.compute_loss_func):
+            return None
+        ranks = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+        return torch.tensor(num_items * ranks, device=self.args.device)
 
     def _check_micro_batch_ran(self, accumulator: GradientAccumulator, counted: list[float], handed_over: int) -> None:
         """Refuse, before anything is folded into a step, a parent `training_step` that did not run one micro-batch as

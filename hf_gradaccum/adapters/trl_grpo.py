@@ -140,10 +140,28 @@ class GenerationBatchAccumulation:
     ) -> tuple[float, dict[str, Any], Callable[[], None]]:
         """
         Count the items of the micro-batch the loss is about to see (`micro_batch`, when its loss is computed again
-        after an fp16 overflow) and, for losses that divide by the generation batch's `num_items_in_batch`, present
-        it as the module docstring says. Returns the count, the micro-batch and a function that puts the micro-batch
-        back as TRL left it (it is reused when `num_iterations > 1`).
+        after an fp16 overflow) and present it to TRL's loss as a batch of its own: `current_gradient_accumulation_steps`
+        is 1 (TRL's losses scale themselves for accumulation by dividing by it; the accumulator does the weighting),
+        and for losses that divide by the generation batch's `num_items_in_batch`, that count is presented as the
+        module docstring says. Returns the count, the micro-batch and a function that puts both back as TRL left them
+        (the micro-batch is reused when `num_iterations > 1`).
         """
+        saved = vars(trainer).get("current_gradient_accumulation_steps")
+        trainer.current_gradient_accumulation_steps = 1
+        items, micro_batch, restore_items = self._present_items(trainer, micro_batch)
+
+        def restore() -> None:
+            restore_items()
+            if saved is None:
+                del trainer.current_gradient_accumulation_steps
+            else:
+                trainer.current_gradient_accumulation_steps = saved
+
+        return items, micro_batch, restore
+
+    def _present_items(
+        self, trainer: Any, micro_batch: dict[str, Any] | None
+    ) -> tuple[float, dict[str, Any], Callable[[], None]]:
         micro_batch = self.micro_batch(trainer) if micro_batch is None else micro_batch
         if not self.loss_items.rescales_num_items:
             return self.count(micro_batch), micro_batch, lambda: None
@@ -151,13 +169,13 @@ class GenerationBatchAccumulation:
         steps_per_generation = trainer.args.steps_per_generation
         if steps_per_generation != trainer.args.gradient_accumulation_steps:
             # TRL's own large batch divides every step of a generation batch by the same count, the generation
-            # batch's tokens per step and rank (with `current_gradient_accumulation_steps` 1 while the adapter runs
-            # a micro-batch, that is TRL's divisor as it stands): the micro-batch's loss is a mean over that many.
+            # batch's tokens per step and rank (with `current_gradient_accumulation_steps` presented as 1, that is
+            # TRL's divisor as it stands): the micro-batch's loss is a mean over that many.
             per_step = float(original.clamp(min=1.0)) / (trainer.accelerator.num_processes * steps_per_generation)
             return per_step, micro_batch, lambda: None
         n = self.count(micro_batch)
-        # TRL divides by num_items_in_batch / num_processes * current_gradient_accumulation_steps (1 while the
-        # adapter runs a micro-batch) / steps_per_generation; every factor is an integer, so the divisor is exactly n.
+        # TRL divides by num_items_in_batch / num_processes * current_gradient_accumulation_steps (presented as 1)
+        # / steps_per_generation; every factor is an integer, so the divisor is exactly n.
         scale = trainer.accelerator.num_processes * trainer.args.steps_per_generation
         micro_batch["num_items_in_batch"] = torch.as_tensor(float(n * scale), device=original.device)
 

@@ -99,8 +99,11 @@ def trainer_parity(case_name: str, out_dir: str) -> None:
     model = case.make_model()
     initial = copy.deepcopy(model)
     data = case.make_data(16, torch.Generator().manual_seed(2))
-    args = sgd_trainer_args(os.path.join(out_dir, "trainer"), gradient_accumulation_steps=2)
-    trainer = GradAccumTrainer(model=model, args=args, train_dataset=data)
+    # `average_tokens_across_devices=True`: the Trainer multiplies a `compute_loss_func`'s loss by the ranks.
+    args = sgd_trainer_args(
+        os.path.join(out_dir, "trainer"), gradient_accumulation_steps=2, average_tokens_across_devices=True
+    )
+    trainer = GradAccumTrainer(model=model, args=args, train_dataset=data, compute_loss_func=case.compute_loss_func)
     trainer.train()
     rank = trainer.args.process_index
     # Accelerate deals sequential batches of 2 round-robin over the ranks: a window (2 micro-batches x 2 ranks)
