@@ -151,6 +151,7 @@ class GradientAccumulator:
         # `self.buffers`, so the loop below has one code path for both.
         self.buffers = gradient_buffers_for(model, self.parameters, self.accumulation_dtype, reduce_gradients)
         self.sharded = self.buffers.sharded
+        # `None` unless FSDP2's gradient sync is scheduled (`fsdp_reduce_schedule="once_per_window"`).
         self.fsdp_schedule = make_fsdp_reduce_schedule(
             fsdp_reduce_schedule,
             model,
@@ -350,7 +351,8 @@ class GradientAccumulator:
             module.set_requires_gradient_sync(True, recurse=False)
         # ... unless the user chose `fsdp_reduce_schedule="once_per_window"`, which turns it off again here for every
         # micro-batch but the window's last.
-        self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
+        if self.fsdp_schedule is not None:
+            self.fsdp_schedule.before_backward(last_in_window=self.sync_gradients)
         loss_factor = self.buffers.weighting(micro.num_items, self.current_scale)[0]
         return loss * loss_factor if loss_factor != 1.0 else loss
 
@@ -488,7 +490,8 @@ class GradientAccumulator:
         self._window = None
         self._micro, self._fold_alpha, self._defer_fold = None, None, False
         self._zero_item_backwards = 0
-        self.fsdp_schedule.discard()
+        if self.fsdp_schedule is not None:
+            self.fsdp_schedule.discard()
         for p in self.parameters:
             p.grad = None
 
@@ -577,7 +580,7 @@ class GradientAccumulator:
     def _flush_fsdp_schedule(self) -> None:
         """FSDP2 `once_per_window`: reduce-scatter gradients FSDP2 still holds unsynced (a partial window, or a
         skipped last micro-batch) into the buffer, at the window's (constant: no recompute) scale."""
-        if self.fsdp_schedule.pending:
+        if self.fsdp_schedule is not None and self.fsdp_schedule.pending:
             self._fold_alpha = 1.0 / self.current_scale
             try:
                 self.fsdp_schedule.flush()
@@ -719,7 +722,8 @@ class GradientAccumulator:
         self._window = None
         self._zero_item_backwards = 0
         # FSDP2 `once_per_window`: unsynced gradients of the abandoned window must not reach the restored one.
-        self.fsdp_schedule.discard()
+        if self.fsdp_schedule is not None:
+            self.fsdp_schedule.discard()
         if window is not None:
             self._start_window()
             self.buffers.restore(window["buffers"])

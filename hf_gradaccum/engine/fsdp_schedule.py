@@ -69,36 +69,7 @@ def no_sync_accumulation_dtypes(model: nn.Module, modules: list[nn.Module]) -> d
     return dtypes
 
 
-class FSDPReduceSchedule:
-    """
-    The default schedule (`"every_micro_batch"`): FSDP2 reduce-scatters every backward; nothing to do. Subclasses
-    change when gradients are synced.
-
-    Example:
-
-    ```python
-    >>> from hf_gradaccum.engine.fsdp_schedule import FSDPReduceSchedule
-    >>> schedule = FSDPReduceSchedule()
-    >>> schedule.before_backward(last_in_window=False); schedule.pending
-    False
-    ```
-    """
-
-    name = "every_micro_batch"
-    pending = False
-    """Whether FSDP2 holds gradients it has not reduce-scattered yet (they are not in the accumulator's buffer)."""
-
-    def before_backward(self, last_in_window: bool) -> None:
-        """Called right before each micro-batch's backward."""
-
-    def flush(self) -> None:
-        """Reduce-scatter whatever FSDP2 still holds (the post-accumulate-grad hooks fold it into the buffer)."""
-
-    def discard(self) -> None:
-        """Drop whatever FSDP2 still holds (the window is thrown away)."""
-
-
-class OncePerWindow(FSDPReduceSchedule):
+class OncePerWindow:
     """
     `"once_per_window"`: no gradient sync until the window's last micro-batch, one reduce-scatter per window.
 
@@ -123,6 +94,8 @@ class OncePerWindow(FSDPReduceSchedule):
     """
 
     name = "once_per_window"
+    pending = False
+    """Whether FSDP2 holds gradients it has not reduce-scattered yet (they are not in the accumulator's buffer)."""
 
     def __init__(self, model: nn.Module, *, loss_scaled: bool, overflow_policy: str) -> None:
         self.modules = fsdp2_modules(model) if isinstance(model, nn.Module) else []
@@ -167,6 +140,7 @@ class OncePerWindow(FSDPReduceSchedule):
             module.set_requires_gradient_sync(sync, recurse=False)
 
     def before_backward(self, last_in_window: bool) -> None:
+        """Called right before each micro-batch's backward: sync only on the window's last."""
         self._set_sync(last_in_window)
         self.pending = not last_in_window
 
@@ -219,9 +193,10 @@ class OncePerWindow(FSDPReduceSchedule):
 
 def make_fsdp_reduce_schedule(
     schedule: str, model: object, *, sharded: bool, loss_scaled: bool, overflow_policy: str
-) -> FSDPReduceSchedule:
+) -> OncePerWindow | None:
     """
-    The schedule object for `GradientAccumulator(fsdp_reduce_schedule=...)`.
+    The schedule object for `GradientAccumulator(fsdp_reduce_schedule=...)`: `None` for the default
+    `"every_micro_batch"` (FSDP2 reduce-scatters every backward; nothing to schedule), an [`OncePerWindow`] otherwise.
 
     Example:
 
@@ -230,13 +205,13 @@ def make_fsdp_reduce_schedule(
     >>> from hf_gradaccum.engine.fsdp_schedule import make_fsdp_reduce_schedule
     >>> make_fsdp_reduce_schedule(
     ...     "every_micro_batch", torch.nn.Linear(2, 2), sharded=False, loss_scaled=False, overflow_policy="skip"
-    ... ).name
-    'every_micro_batch'
+    ... ) is None
+    True
     ```
     """
     check_fsdp_reduce_schedule(schedule)
     if schedule == "every_micro_batch":
-        return FSDPReduceSchedule()
+        return None
     if not sharded:
         model = None  # no DTensor parameters: refused below with the message that says why
     return OncePerWindow(model, loss_scaled=loss_scaled, overflow_policy=overflow_policy)
