@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "GradientAccumulator": ".engine.accumulator",
     "WindowResult": ".engine.window",
     "DynamicLossScaler": ".engine.loss_scaling",
-    "AccumulatorCheckpoint": ".engine.sharded_checkpoint",
+    "AccumulatorCheckpoint": ".engine.fsdp2.checkpoint",
     "count_items_in_batch": ".engine.items",
     "WindowOOMRetry": ".engine.oom_retry",
     # transformers
@@ -109,10 +109,10 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .adapters.trainer import GradAccumTrainer
     from .engine.accumulator import GradientAccumulator
     from .engine.coupled import CoupledLoss
+    from .engine.fsdp2.checkpoint import AccumulatorCheckpoint
     from .engine.items import count_items_in_batch
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.oom_retry import WindowOOMRetry
-    from .engine.sharded_checkpoint import AccumulatorCheckpoint
     from .engine.window import WindowResult
     from .helpers.lr_scaling import scale_learning_rate
     from .helpers.normalization import (

@@ -11,7 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
-from ..engine.fsdp_schedule import check_fsdp_reduce_schedule
+from ..engine.fsdp2.schedule import check_fsdp_reduce_schedule
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule

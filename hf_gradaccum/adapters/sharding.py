@@ -1,7 +1,7 @@
 """Which distributed engines `GradAccumTrainer` runs under, and how it sets up FSDP2.
 
 DDP and FSDP2 leave the gradients to hooks the accumulator can sit in: DDP through `no_sync`, FSDP2 through the
-post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/sharded.py). DeepSpeed and FSDP1
+post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/fsdp2/buffers.py). DeepSpeed and FSDP1
 accumulate and reduce gradients inside their own engines, so they are refused. For FSDP2 through Accelerate's plugin
 (`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is sharded: Accelerate's `bf16`/`fp16`
 policy reduce-scatters in the compute dtype, which would round every micro-batch's gradient before it reaches the
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..engine.sharded import is_dtensor
+from ..engine.fsdp2.buffers import is_dtensor
 from .arguments import gradaccum_option
 
 logger = logging.getLogger(__name__)

@@ -48,6 +48,7 @@ from ..engine.coupled import CoupledLoss
 from ..engine.items import count_items_in_batch
 from ..engine.loss_scaling import DynamicLossScaler
 from ..engine.oom_retry import WindowOOMRetry
+from ..helpers.lr_scaling import effective_batch_size
 from ..helpers.planning import AccumulationPlan
 from .accumulation_check import check_trainer_window, should_verify
 from .arguments import gradaccum_option, validate_gradaccum_fields
@@ -698,7 +699,10 @@ class GradAccumTrainer(Trainer):
         save_checkpoint_atomically(self, lambda: super(GradAccumTrainer, self)._save_checkpoint(model, trial), trial)
 
     def _effective_batch_size(self) -> int:
-        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        args = self.args
+        return effective_batch_size(
+            args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+        )
 
     def _load_accumulator_state(self, acc: GradientAccumulator, path: str) -> None:
         state = torch.load(path, weights_only=False)

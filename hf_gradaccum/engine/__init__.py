@@ -1,9 +1,11 @@
 """The engine: exact gradient accumulation in plain PyTorch (no transformers).
 
 - `accumulator.py`: `GradientAccumulator`, the main loop (backward, fold, finish the window, step);
-- `buffers.py`: flat fp32 buffers with one view per parameter, filled by post-accumulate-grad hooks; `sharded.py`:
-  their FSDP2 variant. Everything that differs between replicated and sharded buffers (where the item weight is
-  applied, how ranks agree on a micro-batch, who reduces) is a method of the buffers, so the accumulator has one path;
+- `buffers.py`: flat fp32 buffers with one view per parameter, filled by post-accumulate-grad hooks. Everything that
+  differs between these replicated buffers and FSDP2's sharded ones (where the item weight is applied, how ranks
+  agree on a micro-batch, who reduces) is a method of the buffers, so the accumulator has one path;
+- `fsdp2/`: the FSDP2 strategy: the sharded buffers, when FSDP2 reduce-scatters during a window, and mid-window
+  checkpoints through `torch.distributed.checkpoint`;
 - `model_inspection.py`: whether a model's loss shifts its labels (causal LM), by duck typing, for `batch=` counting;
 - `window.py`: per-window bookkeeping and the `WindowResult` it ends with;
 - `recompute.py`: fp16 overflow handling that redoes only the overflowing micro-batch;

@@ -10,7 +10,7 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch. FSDP2 models keep sharded buffers (`sharded.py`, `fsdp_schedule.py`). fp16 overflows redo one micro-batch (`recompute.py`); the
+once per micro-batch. FSDP2 models keep sharded buffers (`fsdp2/`). fp16 overflows redo one micro-batch (`recompute.py`); the
 window's running totals live in `window.py`.
 """
 
@@ -27,18 +27,13 @@ import torch
 from torch import nn
 
 from .buffers import resolve_accumulation_dtype
-from .fsdp_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
+from .fsdp2.buffers import gradient_buffers_for, is_dtensor, refuse_sharded_engines
+from .fsdp2.schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
-from .sharded import (  # noqa: F401  (the refusals are re-exported from their old home)
-    gradient_buffers_for,
-    is_dtensor,
-    refuse_sharded_engines,
-    refuse_unsharded_trainable_parameters,
-)
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -82,7 +77,7 @@ class GradientAccumulator:
             FSDP2 models only: `"every_micro_batch"` reduce-scatters each micro-batch into the sharded fp32 buffer
             (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
             window's last micro-batch (one reduce-scatter per window, one unsharded gradient per rank in between).
-            See `engine/fsdp_schedule.py` for what it refuses and why.
+            See `engine/fsdp2/schedule.py` for what it refuses and why.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -146,7 +141,7 @@ class GradientAccumulator:
         if not self.parameters:
             raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
 
-        # FSDP2 models get sharded buffers (`sharded.py`), others replicated ones (`buffers.py`). What differs between
+        # FSDP2 models get sharded buffers (`fsdp2/buffers.py`), others replicated ones (`buffers.py`). What differs between
         # the two (where the item weight is applied, how a micro-batch's flags are agreed, who reduces) is asked of
         # `self.buffers`, so the loop below has one code path for both.
         self.buffers = gradient_buffers_for(model, self.parameters, self.accumulation_dtype, reduce_gradients)

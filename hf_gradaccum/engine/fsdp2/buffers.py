@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from .buffers import FlatGradientBuffers
+from ..buffers import FlatGradientBuffers
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -54,7 +54,7 @@ def prepare_fsdp2_for_summing(model: nn.Module) -> list[nn.Module]:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.engine.sharded import prepare_fsdp2_for_summing
+    >>> from hf_gradaccum.engine.fsdp2.buffers import prepare_fsdp2_for_summing
     >>> prepare_fsdp2_for_summing(torch.nn.Linear(2, 2))
     []
     ```
@@ -83,7 +83,7 @@ class ShardedGradientBuffers(FlatGradientBuffers):
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.engine.sharded import ShardedGradientBuffers
+    >>> from hf_gradaccum.engine.fsdp2.buffers import ShardedGradientBuffers
     >>> buffers = ShardedGradientBuffers(list(torch.nn.Linear(3, 2).parameters()), torch.float32)
     >>> [tuple(v.shape) for v in buffers.views]  # plain tensors are their own shard
     [(2, 3), (2,)]
@@ -230,7 +230,7 @@ def gradient_buffers_for(
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.engine.sharded import gradient_buffers_for
+    >>> from hf_gradaccum.engine.fsdp2.buffers import gradient_buffers_for
     >>> model = torch.nn.Linear(2, 2)
     >>> type(gradient_buffers_for(model, list(model.parameters()), torch.float32, None)).__name__
     'FlatGradientBuffers'

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .accumulator import GradientAccumulator
-from .reduction import world_size_and_rank
-from .sharded import ShardedGradientBuffers, is_dtensor
+from ..accumulator import GradientAccumulator
+from ..reduction import world_size_and_rank
+from .buffers import ShardedGradientBuffers, is_dtensor
 
 BUFFERS_KEY = "buffers"
 META_KEY = "meta"

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .sharded import fsdp2_modules
+from .buffers import fsdp2_modules
 
 FSDP_REDUCE_SCHEDULES = ("every_micro_batch", "once_per_window")
 
@@ -85,7 +85,7 @@ class OncePerWindow:
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.engine.fsdp_schedule import OncePerWindow
+    >>> from hf_gradaccum.engine.fsdp2.schedule import OncePerWindow
     >>> OncePerWindow(torch.nn.Linear(2, 2), loss_scaled=False, overflow_policy="recompute")
     Traceback (most recent call last):
     ...
@@ -202,7 +202,7 @@ def make_fsdp_reduce_schedule(
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum.engine.fsdp_schedule import make_fsdp_reduce_schedule
+    >>> from hf_gradaccum.engine.fsdp2.schedule import make_fsdp_reduce_schedule
     >>> make_fsdp_reduce_schedule(
     ...     "every_micro_batch", torch.nn.Linear(2, 2), sharded=False, loss_scaled=False, overflow_policy="skip"
     ... ) is None
