@@ -15,7 +15,7 @@ import torch
 from harness.arms import apply_memory_limit
 from transformers import BertConfig, BertForSequenceClassification
 
-from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator
 from tests.multiprocess import ROOT, free_port
 from tests.parity_cases import CASES, LAYOUTS, large_batch_reference, relative_update_error, train_with
 from tests.test_mixed_precision import _bf16_gradient_errors, _fp16_trainer, _regression_window
@@ -167,3 +167,61 @@ def test_trainer_under_accelerate_fsdp2_on_cuda(mixed_precision, tmp_path):
     else:
         assert record["reduce_dtype"] == "torch.float32"
         assert record["err_plain"] <= 2e-2  # bf16 compute
+
+
+class _OffloadArguments(GradAccumArguments):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, offload_accumulation_buffer=True, **kwargs)
+
+
+@pytest.mark.parametrize("case_name", ["bert_seq_cls", "gpt2_causal_lm"])
+def test_offloaded_buffer_on_cuda_matches_large_batch(case_name, tmp_path):
+    """The buffer in pinned host memory, gradients copied out on a side stream as autograd produces them: the same
+    update as the large batch (fp32, TF32 off) and as the buffer on the GPU."""
+    case = CASE_BY_NAME[case_name]
+    n, micro, steps = LAYOUTS["partial_last_window"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(n, torch.Generator().manual_seed(1))
+    offloaded, trainer = train_with(
+        GradAccumTrainer, case, model, data, micro, steps, str(tmp_path / "off"), use_cpu=False,
+        args_cls=_OffloadArguments,
+    )  # fmt: skip
+    flats = trainer.accumulator.buffers.flat.values()
+    assert all(b.device.type == "cpu" and b.is_pinned() for b in flats)
+    on_device, _ = train_with(GradAccumTrainer, case, model, data, micro, steps, str(tmp_path / "dev"), use_cpu=False)
+    windows = [list(range(i, min(i + micro * steps, n))) for i in range(0, n, micro * steps)]
+    err = relative_update_error(model, offloaded.cpu(), large_batch_reference(case, model, data, windows))
+    same = relative_update_error(model, offloaded.cpu(), on_device.cpu())
+    print(f"CUDA offloaded {case_name}: vs large batch {err:.2e}, vs GPU buffer {same:.2e}")
+    assert err <= RTOL and same <= 1e-6
+
+
+def test_offloaded_buffer_holds_no_gradient_on_cuda_between_micro_batches():
+    """bf16 parameters: after each micro-batch's backward the GPU holds no more than one layer's gradient (the stock path holds a bf16
+    `.grad`, the GPU buffer 4 bytes per parameter), and the mean gradient equals the GPU buffer's."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(1024, 1024) for _ in range(8)]
+    model = torch.nn.Sequential(*layers).to("cuda", torch.bfloat16)
+    x = torch.randn(8, 16, 1024, device="cuda", dtype=torch.bfloat16)
+    grads, held = {}, {}
+    for offload in (False, True):
+        m = copy.deepcopy(model)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        acc = GradientAccumulator(m, 8, offload_accumulation_buffer=offload)
+        held[offload] = []
+        for k in range(8):
+            acc.backward(m(x[k]).float().pow(2).mean(), num_items=16)
+            torch.cuda.synchronize()
+            held[offload].append(torch.cuda.memory_allocated() - before)
+        assert acc.finish_window().applied
+        grads[offload] = torch.cat([p.grad.float().flatten() for p in m.parameters()])
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPU bytes held per parameter between micro-batches: GPU buffer {max(held[False]) / params:.2f}, "
+          f"offloaded {max(held[True]) / params:.2f}")  # fmt: skip
+    assert max(held[False]) >= 4 * params
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert max(held[True]) <= largest  # at most about one layer's gradient (the window's small statistics)
+    err = float((grads[True] - grads[False]).norm() / grads[False].norm())
+    assert err <= 1e-6

@@ -144,6 +144,16 @@ class GradAccumFields:
             "choices": ["every_micro_batch", "once_per_window"],
         },
     )
+    offload_accumulation_buffer: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the fp32 accumulation buffer in pinned host memory instead of on the GPU: each gradient is "
+            "copied out as autograd produces it and folded on the host, so the GPU holds about one parameter's "
+            "gradient at a time (a bf16 model's fp32 buffer would otherwise cost 4 bytes per parameter on the GPU). "
+            "The mean gradient returns to the GPU at the window's end. Same update; single device and DDP only "
+            "(not FSDP2, whose buffer is sharded). Costs host-device copies: see docs/gpu/."
+        },
+    )
     moe_load_balance: str = field(
         default="micro_batch",
         metadata={
@@ -247,6 +257,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         "refuse_resume_with_different_batch",
         "atomic_checkpoints",
         "check_unknown_compositions",
+        "offload_accumulation_buffer",
     ):
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")

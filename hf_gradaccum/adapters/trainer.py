@@ -220,6 +220,7 @@ class GradAccumTrainer(Trainer):
             overflow_policy=gradaccum_option(self.args, "overflow_policy"),
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
+            offload_accumulation_buffer=gradaccum_option(self.args, "offload_accumulation_buffer"),
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:

@@ -4,6 +4,8 @@
 - `buffers.py`: flat fp32 buffers with one view per parameter, filled by post-accumulate-grad hooks. Everything that
   differs between these replicated buffers and FSDP2's sharded ones (where the item weight is applied, how ranks
   agree on a micro-batch, who reduces) is a method of the buffers, so the accumulator has one path;
+- `offload.py`: the same buffers in pinned host memory (`offload_accumulation_buffer=True`), filled by copies on a
+  side stream and a host thread, so the GPU holds about one parameter's gradient at a time;
 - `fsdp2/`: the FSDP2 strategy: the sharded buffers, when FSDP2 reduce-scatters during a window, and mid-window
   checkpoints through `torch.distributed.checkpoint`;
 - `model_inspection.py`: whether a model's loss shifts its labels (causal LM), by duck typing, for `batch=` counting;

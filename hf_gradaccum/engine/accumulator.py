@@ -78,6 +78,11 @@ class GradientAccumulator:
             (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
             window's last micro-batch (one reduce-scatter per window, one unsharded gradient per rank in between).
             See `engine/fsdp2/schedule.py` for what it refuses and why.
+        offload_accumulation_buffer (`bool`, *optional*, defaults to `False`):
+            Keep the accumulation buffer in pinned host memory instead of on the GPU: each gradient is copied out as
+            autograd produces it (on a side stream) and folded on the host, so the GPU holds about one parameter's
+            gradient at a time; the mean gradient returns to the GPU, in the parameters' dtype, at the window's end.
+            Same update as the GPU buffer. Replicated (single-device, DDP) parameters only; see `engine/offload.py`.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -115,6 +120,7 @@ class GradientAccumulator:
         max_recompute_attempts: int = 8,
         reduce_gradients: bool | None = None,
         fsdp_reduce_schedule: str = "every_micro_batch",
+        offload_accumulation_buffer: bool = False,
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
@@ -122,6 +128,10 @@ class GradientAccumulator:
             raise ValueError(f"`overflow_policy` must be one of {OVERFLOW_POLICIES}, got {overflow_policy!r}.")
         self.overflow_policy = overflow_policy
         check_fsdp_reduce_schedule(fsdp_reduce_schedule)
+        if not isinstance(offload_accumulation_buffer, bool):
+            raise ValueError(
+                f"`offload_accumulation_buffer` must be True or False, got {offload_accumulation_buffer!r}."
+            )
         self.max_recompute_attempts = validate_accumulation_steps(max_recompute_attempts, "max_recompute_attempts")
         self.loss_scaler = loss_scaler
         self._reduce_gradients = reduce_gradients
@@ -144,7 +154,9 @@ class GradientAccumulator:
         # FSDP2 models get sharded buffers (`fsdp2/buffers.py`), others replicated ones (`buffers.py`). What differs between
         # the two (where the item weight is applied, how a micro-batch's flags are agreed, who reduces) is asked of
         # `self.buffers`, so the loop below has one code path for both.
-        self.buffers = gradient_buffers_for(model, self.parameters, self.accumulation_dtype, reduce_gradients)
+        self.buffers = gradient_buffers_for(
+            model, self.parameters, self.accumulation_dtype, reduce_gradients, offload=offload_accumulation_buffer
+        )
         self.sharded = self.buffers.sharded
         # `None` unless FSDP2's gradient sync is scheduled (`fsdp_reduce_schedule="once_per_window"`).
         self.fsdp_schedule = make_fsdp_reduce_schedule(

@@ -91,7 +91,7 @@ class FlatGradientBuffers:
         for p in parameters:
             sizes[p.device] = sizes.get(p.device, 0) + p.numel()
         self.flat: dict[torch.device, torch.Tensor] = {
-            device: torch.zeros(size, dtype=dtype, device=device) for device, size in sizes.items()
+            device: self._allocate(size, dtype, device) for device, size in sizes.items()
         }
         offsets = dict.fromkeys(sizes, 0)
         self.views: list[torch.Tensor] = []
@@ -99,6 +99,10 @@ class FlatGradientBuffers:
             start = offsets[p.device]
             self.views.append(self.flat[p.device][start : start + p.numel()].view_as(p))
             offsets[p.device] = start + p.numel()
+
+    def _allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The flat buffer for the parameters on `device` (where they live; see `offload.py` for the host)."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     @property
     def first_device(self) -> torch.device:
@@ -120,6 +124,12 @@ class FlatGradientBuffers:
 
     def all_finite(self) -> bool:
         return all(all_finite(b) for b in self.flat.values())
+
+    def all_reduce_(self) -> int:
+        """Sum the buffers over the default process group's ranks; returns the number of collectives."""
+        for buffer in self.flat.values():
+            torch.distributed.all_reduce(buffer)
+        return len(self.flat)
 
     def all_finite_on_every_rank(self) -> bool:
         """Whether the window's gradient is finite. Replicated buffers were summed over ranks already, so this rank's

@@ -61,9 +61,7 @@ def reduce_window(
     collectives = 0
     if world_size > 1:
         if reduce_buffers:
-            for buffer in buffers.flat.values():
-                torch.distributed.all_reduce(buffer)
-            collectives = len(buffers.flat)
+            collectives = buffers.all_reduce_()
         torch.distributed.all_reduce(stats)
         collectives += 1
     values = stats.tolist()

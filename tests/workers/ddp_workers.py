@@ -42,7 +42,9 @@ def fresh_accelerate_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def plain_loop_parity(case_name: str, out_dir: str) -> None:
+def plain_loop_parity(case_name: str, out_dir: str, offload: str = "false") -> None:
+    """`offload="true"`: the accumulation buffer lives in host memory and is summed over ranks there (gloo);
+    `offload="chunked"`: summed through the device in chunks, the path for process groups without a CPU backend."""
     fresh_accelerate_state()
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -55,7 +57,9 @@ def plain_loop_parity(case_name: str, out_dir: str) -> None:
     ddp_model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     counter = CommCounter()
     ddp_model.register_comm_hook(None, counter.hook)
-    acc = GradientAccumulator(ddp_model, gradient_accumulation_steps=2)
+    acc = GradientAccumulator(ddp_model, gradient_accumulation_steps=2, offload_accumulation_buffer=offload != "false")
+    if offload == "chunked":
+        acc.buffers.reduce_on_host, acc.buffers.all_reduce_chunk_numel = False, 1000
     for indices in LAYOUT[rank]:
         batch = default_data_collator([data[i] for i in indices])
         with acc.accumulate(ddp_model):
@@ -83,6 +87,7 @@ def plain_loop_parity(case_name: str, out_dir: str) -> None:
         "window_items": result.num_items,
         "ddp_allreduces_ours": counter.calls,
         "flat_buffer_reductions_ours": acc.num_gradient_reductions,
+        "collectives_ours": acc.num_collectives,
         "ddp_allreduces_stock": stock_counter.calls,
     }
     with open(os.path.join(out_dir, f"{case_name}_rank{rank}.json"), "w") as f:

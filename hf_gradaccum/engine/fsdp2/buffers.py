@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..buffers import FlatGradientBuffers
+from ..offload import OffloadedGradientBuffers
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -219,11 +220,13 @@ def gradient_buffers_for(
     parameters: list[nn.Parameter],
     dtype: torch.dtype,
     reduce_gradients: bool | None,
+    *,
+    offload: bool = False,
 ) -> FlatGradientBuffers:
     """
     The accumulation buffers `parameters` need: [`ShardedGradientBuffers`] when they are FSDP2's `DTensor`s (after
     making FSDP2's reduce-scatter sum and refusing what it could not reduce), else replicated
-    [`FlatGradientBuffers`]. Everything that differs between the two lives behind the buffers' interface
+    [`FlatGradientBuffers`] (in host memory with `offload=True`: [`OffloadedGradientBuffers`]). Everything that differs between the two lives behind the buffers' interface
     (`weighting`, `agree`, `all_finite_on_every_rank`, `reduced_at_window_end`, `backward_without_items`).
 
     Example:
@@ -237,7 +240,13 @@ def gradient_buffers_for(
     ```
     """
     if not any(is_dtensor(p) for p in parameters):
-        return FlatGradientBuffers(parameters, dtype)
+        return OffloadedGradientBuffers(parameters, dtype) if offload else FlatGradientBuffers(parameters, dtype)
+    if offload:
+        raise ValueError(
+            "`offload_accumulation_buffer=True` is for replicated parameters (one device, DDP); this is an FSDP2 "
+            "model, whose accumulation buffer is already sharded (1/world_size per rank on the GPU). Set "
+            "`offload_accumulation_buffer=False`."
+        )
     # `refuse_sharded_engines` already refused DTensor parameters passed without their module.
     fsdp_modules = prepare_fsdp2_for_summing(model)
     refuse_unsharded_trainable_parameters(model, parameters)
