@@ -9,7 +9,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from tests.parity_cases import CASES, flat_params
+from tests.parity_cases import CASES, flat_params, large_batch_reference, relative_update_error
 
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -251,3 +251,28 @@ def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched
     err = float((w_ours - w_ref).norm() / (w_ref - w0).norm())
     print(f"unpatched parent step: relative update error vs large batch {err:.2e}")
     assert err <= 1e-5
+
+
+def test_each_micro_batch_is_counted_once_per_window(tmp_path):
+    """Items are counted when the window is prefetched and reused at each micro-step: counting again there would
+    read the labels from the device (a host synchronisation) once per micro-batch. Uneven windows: 10 samples, 2 x 4
+    then a partial window of 1 micro-batch; the update still equals the large batch's."""
+
+    class CountingTrainer(GradAccumTrainer):
+        calls = 0
+
+        def count_micro_batch_items(self, inputs):
+            CountingTrainer.calls += 1
+            return super().count_micro_batch_items(inputs)
+
+    case = CASE_BY_NAME["bert_seq_cls"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    data = case.make_data(10, torch.Generator().manual_seed(2))
+    args = _args(tmp_path, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0)
+    trainer = CountingTrainer(model=copy.deepcopy(model), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert CountingTrainer.calls == 5  # 4 + 1 micro-batches, each counted once
+    reference = large_batch_reference(case, model, data, [list(range(8)), [8, 9]])
+    assert relative_update_error(model, trainer.model, reference) <= 1e-5

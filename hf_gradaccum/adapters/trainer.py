@@ -170,6 +170,7 @@ class GradAccumTrainer(Trainer):
         self.accumulator: GradientAccumulator | None = None
         self._window_items_local: float | None = None
         self._window_batches: list[dict[str, Any]] = []
+        self._window_counts: dict[int, tuple[dict[str, Any], int]] = {}
         self._micro_index = 0
         # While the parent's training_step runs one micro-batch: for a generation batch (GRPO/RLOO), the items and the
         # micro-batch its loss saw, counted in `compute_loss_context_manager`.
@@ -262,6 +263,14 @@ class GradAccumTrainer(Trainer):
         shift = self._shifts_labels() if token_level else False
         return count_items_in_batch(inputs, shift_labels=shift, label_name=label_name)
 
+    def _micro_batch_items(self, batch: dict[str, Any]) -> int:
+        """[`count_micro_batch_items`] of `batch`, as counted when its window was prefetched if it is that very
+        object (the identity check keeps a batch a parent rebuilt, or a chunk after an OOM, from reusing it)."""
+        cached = self._window_counts.get(id(batch))
+        if cached is not None and cached[0] is batch:
+            return cached[1]
+        return self.count_micro_batch_items(batch)
+
     def _shifts_labels(self) -> bool:
         """Whether items are counted as a causal LM's loss sees them (`labels[..., 1:]`), decided once per model."""
         override = gradaccum_option(self.args, "count_shifted_labels")
@@ -306,12 +315,17 @@ class GradAccumTrainer(Trainer):
         self._window_batches = batch_samples
         self._micro_index = 0
         self._window_items_local = None
+        self._window_counts = {}
         if self._generation_accumulation is None:
             # (Generation batches are prompts: their items are known only once the completions exist.)
             try:
-                self._window_items_local = float(sum(self.count_micro_batch_items(b) for b in batch_samples))
+                counts = [self.count_micro_batch_items(b) for b in batch_samples]
             except (ValueError, TypeError, AttributeError):
-                self._window_items_local = None
+                counts = None
+            if counts is not None:
+                self._window_items_local = float(sum(counts))
+                # Reused at each micro-step: counting again there would read the device once per micro-batch.
+                self._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
         if batch_samples and self._kto_baseline is not None:
             self._kto_baseline.prepare(self, batch_samples)  # forward-only, over all ranks
         if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
@@ -370,6 +384,7 @@ class GradAccumTrainer(Trainer):
             else:
                 # Called outside the Trainer's loop: a window of its own.
                 self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
+                self._window_counts = {}
         micro_index = self._micro_index
         self._micro_index += 1
 
@@ -395,7 +410,7 @@ class GradAccumTrainer(Trainer):
         loss_sum, total_items = None, 0
         for chunk in self.oom_retry.chunks(inputs):
             # A generation batch's items are counted once its completions exist, just before its loss.
-            counted = None if self._generation_accumulation is not None else self.count_micro_batch_items(chunk)
+            counted = None if self._generation_accumulation is not None else self._micro_batch_items(chunk)
             loss, num_items = self._parent_training_step(model, accumulator, chunk, counted)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
@@ -626,7 +641,7 @@ class GradAccumTrainer(Trainer):
         """`on_train_begin`: the stock `find_executable_batch_size` restarted the loop (an OOM outside
         `training_step`) at a smaller `per_device_train_batch_size`: drop the interrupted window and the old chunking."""
         self.oom_retry.reset()
-        self._window_batches, self._micro_index = [], 0
+        self._window_batches, self._micro_index, self._window_counts = [], 0, {}
         if self.accumulator is not None and self.accumulator.micro_steps_in_window:
             self.accumulator.discard_window()
 

@@ -254,8 +254,10 @@ class GradientAccumulator:
                 transformers model whose loss it can recognise; pass `num_items` then.
 
         A micro-batch with zero items contributes nothing (its mean is 0/0). Under FSDP2 it still runs a backward
-        with weight 0, because every rank must join each micro-batch's reduce-scatter. A non-finite loss is not
-        back-propagated at all; the window it belongs to is skipped at [`finish_window`]. Under fp16 loss scaling
+        with weight 0, because every rank must join each micro-batch's reduce-scatter. The window a non-finite loss
+        belongs to is skipped at [`finish_window`] (weights and optimizer state untouched); under FSDP2 and fp16
+        `"recompute"` that loss is not back-propagated at all, elsewhere it is (its gradients are discarded with
+        the window) so that the host never waits for the device to read the loss. Under fp16 loss scaling
         this method cannot re-run the forward pass, so an overflow skips the window: use [`accumulate_micro_batch`]
         for `"recompute"`.
         """
@@ -345,7 +347,10 @@ class GradientAccumulator:
         micro = self._micro
         if micro is None:
             raise RuntimeError("`loss_to_backward` called outside a micro-batch: call `begin_micro_batch` first.")
-        micro.loss_non_finite = micro.backward_needed and self._loss_non_finite(loss, micro.num_items)
+        if self._loss_check_deferred(micro):
+            micro.loss_non_finite = None  # decided in `end_micro_batch`, without waiting for the forward here
+        else:
+            micro.loss_non_finite = micro.backward_needed and self._loss_non_finite(loss, micro.num_items)
         if not micro.backward_needed or micro.loss_non_finite:
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             return torch.zeros((), device=loss.device, requires_grad=True)
@@ -378,8 +383,11 @@ class GradientAccumulator:
             self._drop_pending()  # a mean over no items is 0/0 and weighs nothing
             self._micro = None
             return False
-        if micro.loss_non_finite is None:  # back-propagated as it was, without `loss_to_backward`
-            micro.loss_non_finite = self._loss_non_finite(loss, n)
+        if micro.loss_non_finite is None:  # not checked before the backward
+            # Replicated buffers without a recompute: the loss enters the window's loss sum on the device, where a
+            # non-finite one skips the window at its end (whatever its gradients folded). Reading it here would
+            # stall the host on the device once per micro-batch.
+            micro.loss_non_finite = False if self._loss_check_deferred(micro) else self._loss_non_finite(loss, n)
         if micro.loss_non_finite:
             self._drop_pending()
             window.record_loss(loss, n)
@@ -468,6 +476,11 @@ class GradientAccumulator:
             # leave `.grad` as plain PyTorch would.
             self._fold_alpha, self._defer_fold = None, False
             raise
+
+    def _loss_check_deferred(self, micro: MicroBatch) -> bool:
+        """Whether a non-finite loss may be left to the window's end: replicated buffers (no rank must agree on it
+        before the backward) and no fp16 recompute (which checks each micro-batch before folding it)."""
+        return micro.backward_needed and not micro.recompute and not self.sharded
 
     def _loss_non_finite(self, loss: torch.Tensor, n: float) -> bool:
         """Whether the micro-batch's loss is inf/NaN (on any rank, when sharded). A zero-item micro-batch's loss is
