@@ -141,3 +141,18 @@ def test_trainer_argument_reaches_the_accumulator(tmp_path):
     acc = trainer.create_accumulator(model)
     assert isinstance(acc.buffers, OffloadedGradientBuffers)
     assert flat_params(model).numel() == sum(b.numel() for b in acc.buffers.flat.values())
+
+
+def test_removing_the_hooks_stops_the_host_thread():
+    """A Trainer that rebuilds its accumulator (a re-wrapped model) must not leave a thread behind per rebuild."""
+    import threading
+
+    def fold_threads():
+        return [t for t in threading.enumerate() if t.name == "hf_gradaccum-offload-fold"]
+
+    before = len(fold_threads())
+    acc = GradientAccumulator(torch.nn.Linear(4, 2), 2, offload_accumulation_buffer=True)
+    assert len(fold_threads()) == before + 1
+    acc.remove_hooks()
+    acc.buffers._folder._thread.join(timeout=10)
+    assert len(fold_threads()) == before

@@ -754,3 +754,4 @@ class GradientAccumulator:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.buffers.close()

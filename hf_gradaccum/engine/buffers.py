@@ -155,6 +155,9 @@ class FlatGradientBuffers:
         view = self.views[index]
         return view if view.dtype == param_dtype else view.to(param_dtype)
 
+    def close(self) -> None:
+        """Release what the buffers hold besides their tensors (nothing here; a host thread when offloaded)."""
+
     def snapshot(self) -> list[torch.Tensor]:
         """CPU copies of the buffers, for a mid-window checkpoint."""
         return [b.detach().cpu().clone() for b in self.flat.values()]

@@ -60,6 +60,9 @@ class _HostFolder:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:  # `stop`
+                self._jobs.task_done()
+                return
             try:
                 job()  # every job runs, even after an error: each one frees its staging slot
             except BaseException as error:  # noqa: BLE001 - re-raised on the training thread by `wait`
@@ -69,6 +72,10 @@ class _HostFolder:
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
+
+    def stop(self) -> None:
+        """End the thread once the folds submitted so far are done."""
+        self._jobs.put(None)
 
     def wait(self) -> None:
         """Block until every submitted fold is done; re-raise the first error one of them hit."""
@@ -179,6 +186,10 @@ class OffloadedGradientBuffers(FlatGradientBuffers):
     def synchronize(self) -> None:
         """Wait until every gradient handed to [`fold`] is in the host buffer."""
         self._folder.wait()
+
+    def close(self) -> None:
+        """Stop the host thread (the accumulator's `remove_hooks`: no gradient will arrive any more)."""
+        self._folder.stop()
 
     # ------------------------------------------------------------------ what reads or writes the whole buffer
     def zero_(self) -> None:
