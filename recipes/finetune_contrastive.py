@@ -34,8 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate
+from harness.requirements import require_recipe_packages
+
+# One line naming what to install, not an import traceback (pyyaml reads the config; transformers installs it too).
+require_recipe_packages(__file__, "yaml")
+
+import torch  # noqa: E402
+from harness.config import ConfigError, RecipeArgumentParser, check_sources_and_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -32,18 +32,25 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from harness.arms import BATCHNORM_MODES, ArmSpec, ParityArguments, perturb_for_noise_floor
-from harness.config import ConfigError, check_sources_and_rate
-from harness.experiment import ParityExperiment, accuracy_metrics
-from torch.nn import functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
-from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
+from harness.requirements import require_recipe_packages
 
-from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.assets import MissingAssetError, locate_asset
-from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
+# One line naming what to install (after `pip install .` without the `recipes` extra), not an import traceback.
+# `evaluate` and the accuracy metric import `datasets`; matplotlib is imported only when the report is plotted, after
+# training: checked here so no run is lost to it.
+require_recipe_packages(__file__, "datasets", "evaluate", "matplotlib", "yaml")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from harness.arms import BATCHNORM_MODES, ArmSpec, ParityArguments, perturb_for_noise_floor  # noqa: E402
+from harness.config import ConfigError, check_sources_and_rate  # noqa: E402
+from harness.experiment import ParityExperiment, accuracy_metrics  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
+from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig  # noqa: E402
+
+from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
+from hf_gradaccum.assets import MissingAssetError, locate_asset  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # MNIST's pixel mean and standard deviation (in [0, 1]), the usual normalisation for a model trained from scratch.
@@ -326,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, MissingAssetError) as error:
         return EXPERIMENT.refuse(error)
 
-    print(
-        f"Training {recipe_args.model_name_or_path or 'a random-init ResNet'} on {data.description}: "
-        f"{len(data.train_labels):,} train / {len(data.eval_labels):,} eval images at {recipe_args.image_size}px; "
-        f"arms: {', '.join(parity_args.arms)}"
-    )
+    if training_args.process_index == 0:  # once, not once per process of a multi-process launch
+        print(
+            f"Training {recipe_args.model_name_or_path or 'a random-init ResNet'} on {data.description}: "
+            f"{len(data.train_labels):,} train / {len(data.eval_labels):,} eval images at "
+            f"{recipe_args.image_size}px; arms: {', '.join(parity_args.arms)}"
+        )
     model_name = recipe_args.model_name_or_path or (
         f"random-init ResNet (basic, stages {recipe_args.resnet_hidden_sizes}, depths {recipe_args.resnet_depths})"
     )

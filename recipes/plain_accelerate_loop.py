@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
-from sklearn.datasets import load_digits
-from torch.utils.data import DataLoader, TensorDataset
+from harness.requirements import require_recipe_packages
 
-from hf_gradaccum import GradientAccumulator
-from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator
-from hf_gradaccum.engine.process_exit import leave_process_group_and_exit
+# One line naming what to install (scikit-learn, for its digits), not an import traceback.
+require_recipe_packages(__file__, "sklearn")
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from hf_gradaccum import GradientAccumulator  # noqa: E402
+from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator  # noqa: E402
+from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 
 
 def make_model() -> torch.nn.Module:

@@ -19,14 +19,19 @@ import random
 import tempfile
 from dataclasses import dataclass, fields
 
-import datasets
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from torch.utils.data import SequentialSampler
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from trl import SFTConfig, SFTTrainer
+from harness.requirements import require_recipe_packages
 
-from hf_gradaccum import GradAccumFields, GradAccumTrainer
+# One line naming what to install (datasets from the `recipes` extra; TRL, which no extra installs), not a traceback.
+require_recipe_packages(__file__, "datasets", "trl")
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from torch.utils.data import SequentialSampler  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_gradaccum import GradAccumFields, GradAccumTrainer  # noqa: E402
 
 
 @dataclass
@@ -145,6 +150,8 @@ def main() -> None:
             in_order(GradAccumSFTTrainer), GradAccumSFTConfig, f"{out}/accumulated", 4, 4, cli.epochs, texts
         )
         large = train(in_order(SFTTrainer), SFTConfig, f"{out}/large_batch", 16, 1, cli.epochs, texts)
+    if not accumulated.is_world_process_zero():  # under a multi-process launch, the first process reports
+        return
     losses = [h["loss"] for h in accumulated.state.log_history if "loss" in h]
     print(
         f"accumulated run (4 x 4): {accumulated.state.global_step} optimizer steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"

@@ -271,6 +271,24 @@ def per_arm_settings() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- subprocesses
+def is_rank_zero() -> bool:
+    """
+    Whether this process is the first of a multi-process launch (`RANK` 0), or the only process.
+
+    The recipes' parent process and each arm's children read the launcher's `RANK` (the children inherit it), so
+    progress and summary lines printed where it is `True` appear once, not once per process.
+
+    Example:
+
+    ```python
+    >>> from harness.arms import is_rank_zero
+    >>> is_rank_zero()  # outside a launch
+    True
+    ```
+    """
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def run_arms_in_subprocesses(
     specs: Sequence[ArmSpec], *, script: str | Path, argv: Sequence[str], output_dir: str | Path
 ) -> list[dict[str, Any]]:
@@ -285,6 +303,7 @@ def run_arms_in_subprocesses(
         `list[dict]`: one result per arm (see [`collect_arm_result`]); a child that crashed gives `status="failed"`.
     """
     results = []
+    main_process = is_rank_zero()  # prints the progress lines; a failed arm is said by every process it failed in
     for index, spec in enumerate(specs):
         env = dict(os.environ)
         if "MASTER_PORT" in env:
@@ -293,7 +312,8 @@ def run_arms_in_subprocesses(
             # children have their own rendezvous, where rank 0 must host the store (else every rank waits forever).
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         command = [sys.executable, str(script), *argv, "--run_single_arm", spec.name]
-        print(f"\n=== arm {index + 1}/{len(specs)}: {spec.name} ({describe_layout(spec)}) ===", flush=True)
+        if main_process:
+            print(f"\n=== arm {index + 1}/{len(specs)}: {spec.name} ({describe_layout(spec)}) ===", flush=True)
         log_path = arm_dir(output_dir, spec.name) / ARM_LOG_FILE
         start = time.perf_counter()
         returncode = run_teed(command, env=env, log_path=log_path)
@@ -308,8 +328,9 @@ def run_arms_in_subprocesses(
         result["process_wall_time_s"] = wall_time
         results.append(result)
         if result["status"] == "failed":
-            print(f"=== arm {spec.name} failed: {result['error']} (full log: {log_path}) ===", flush=True)
-        else:
+            where = "" if main_process else f" in process {os.environ['RANK']}"
+            print(f"=== arm {spec.name} failed{where}: {result['error']} (full log: {log_path}) ===", flush=True)
+        elif main_process:
             print(f"=== arm {spec.name}: {arm_outcome(result)}; {wall_time:.0f} s in its own process ===", flush=True)
     return results
 
@@ -603,7 +624,7 @@ def report_parity_run(
     ...                            saved_arm="accumulated"))  # doctest: +SKIP
     ```
     """
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_rank_zero():
         return 0  # under a multi-process launch, rank 0 writes the report
     output_dir = Path(output_dir)
     if results and all(result["status"] == "failed" for result in results):

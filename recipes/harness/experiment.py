@@ -113,7 +113,9 @@ class ParityExperiment:
     ) -> GradAccumArguments:
         """The user's arguments with this arm's batch layout and per-step logging appended (they win); seeds."""
         args = self.parse_args([*argv, *arm_overrides(spec, output_dir)])[2]
-        print(f"[{spec.name}] {describe_layout(spec)}; {apply_memory_limit(parity_args.max_memory_mb, args.device)}")
+        memory_limit = apply_memory_limit(parity_args.max_memory_mb, args.device)  # on every process
+        if args.process_index == 0:  # once, not once per process of a multi-process launch
+            print(f"[{spec.name}] {describe_layout(spec)}; {memory_limit}")
         set_seed(args.seed)
         return args
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers.utils import logging as hf_logging
 
+from .arms import is_rank_zero
+
 # The logger `PreTrainedModel.from_pretrained` writes its load report to.
 _MODELING_LOGGER = "transformers.modeling_utils"
 
@@ -57,6 +59,6 @@ def load_with_new_head(
     if other_problems:
         # Not just the head: let transformers print its full report, which is then worth reading.
         return from_pretrained(path, **kwargs)
-    if head:
+    if head and is_rank_zero():  # once, not once per process of a multi-process launch
         print(f"New task head (randomly initialised, as expected): {', '.join(head)}")
     return model
