@@ -19,10 +19,19 @@ vocab 30522, 2 labels, sequence length 128, micro-batch 16) and `gpt2-small` (`G
 layers, 12 heads, vocab 50257, sequence length 256, micro-batch 8, uneven padding: each row holds a random length in
 [seq/2, seq], the rest is padding with `attention_mask` 0 and `labels` -100), precisions fp32 / bf16 / fp16 (Trainer
 `bf16=True` / `fp16=True`, Accelerate `mixed_precision`; fp32 weights throughout; TF32 left at torch's default and
-recorded), gradient accumulation 1 and 8, the four runners: 2 x 3 x 2 x 4 = 48 configurations. Random token ids and
-random init from a fixed seed, no `datasets` (a list of dicts of tensors), no network. AdamW (`optim="adamw_torch"`
-in the Trainer, `torch.optim.AdamW` in the loops), lr 1e-5, weight decay 0, constant schedule, `max_grad_norm=1.0`
-everywhere, no eval, no saving, no logging, `dataloader_num_workers=0`.
+recorded), gradient accumulation 1 and 8, the four runners: 2 x 3 x 2 x 4 = 48 configurations. Two more shapes for
+the CPU (`--models minilm,gpt2-small,resnet18`): `minilm`, the MiniLM-shaped classifier of
+`bench_trainer_overhead.py` (hidden 384, 6 layers, intermediate 1536, sequence 128, micro-batch 8), and `resnet18`
+(`ResNetForImageClassification`, basic blocks 2-2-2-2, widths 64-512, 10 classes, random 224 x 224 images,
+micro-batch 16; `--image_size` to shrink them). `--micro_batch` and `--seq_len` override every model's. Random token
+ids and random init from a fixed seed, no `datasets` (a list of dicts of tensors), no network. AdamW
+(`optim="adamw_torch"` in the Trainer, `torch.optim.AdamW` in the loops), lr 1e-5, weight decay 0, constant
+schedule, `max_grad_norm=1.0` everywhere, no eval, no saving, no logging, `dataloader_num_workers=0`.
+
+Steadier ratios: `--rounds N` runs the grid N times, the two runners of each pair (stock / ours, Accelerate loop /
+ours) in alternating order from round to round, and reports each ratio as the median of the N per-round ratios with
+their range; `--metric cpu` measures speed in samples per second of the worker's process CPU time (all threads) over
+the timed steps, which other processes on a shared CPU disturb less than wall time.
 
 How: every configuration runs in its own subprocess (this script re-invoked with `--worker JSON`, which prints one
 `BENCH_RESULT {json}` line), with a per-worker timeout (`--timeout`, 90 s): a crashed or hung worker is recorded with
@@ -54,6 +63,9 @@ whole grid (48 workers) takes about 14 minutes there, not the 4 minutes hoped fo
     python benchmarks/bench_throughput.py --models gpt2-small --out benchmarks/results/throughput.json --resume
     python benchmarks/bench_throughput.py --device cpu --tiny --models bert-base --precisions fp32 --ga 2 \\
         --out /tmp/throughput_cpu.json   # the CPU smoke run of tests/test_bench_throughput.py (about 20 s)
+    python benchmarks/bench_throughput.py --device cpu --models minilm,gpt2-small,resnet18 --precisions fp32 \\
+        --ga 8 --micro_batch 4 --seq_len 128 --image_size 64 --steps 3 --rounds 5 --metric cpu --cpu_threads 2 \\
+        --timeout 600 --out benchmarks/results/overhead_shapes_cpu.json   # the three CPU shapes, 5 pairs
 """
 
 from __future__ import annotations
@@ -75,7 +87,7 @@ RESULT_PREFIX = "BENCH_RESULT "
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
-MODELS = ("bert-base", "gpt2-small")
+MODELS = ("bert-base", "gpt2-small", "minilm", "resnet18")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RUNNERS = ("stock", "gradaccum", "accelerate_loop", "gradaccum_loop")
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -84,8 +96,15 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 FULL_SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "bert-base": (768, 12, 12, 3072, 30522, 128, 16),
     "gpt2-small": (768, 12, 12, 3072, 50257, 256, 8),
+    # The MiniLM-shaped classifier of bench_trainer_overhead.py (the CPU shape).
+    "minilm": (384, 6, 12, 1536, 30522, 128, 8),
+    # ResNet-18 (basic blocks, depths 2-2-2-2, widths 64-512): (stem width, -, -, -, classes, image side, micro).
+    "resnet18": (64, 4, 0, 0, 10, 224, 16),
 }
+SEQUENCE_MODELS = ("bert-base", "gpt2-small", "minilm")
+BERT_LIKE = ("bert-base", "minilm")
 TINY_SHAPE = (64, 2, 4, 256, 1000, 32, 4)
+TINY_RESNET_SHAPE = (8, 2, 0, 0, 10, 32, 4)
 TINY_STEPS = 2
 
 SPEED_VS_STOCK_GOAL = 0.97
@@ -119,6 +138,9 @@ class _Meter:
         self.torch = torch
         self.cuda = device == "cuda"
         self.step_ends: list[float] = []
+        # Process CPU time (all threads) at each step end: on a shared CPU it moves less than wall time when other
+        # processes take cores away (the worker waits instead of computing).
+        self.step_cpu_ends: list[float] = []
         self.train_begin = 0.0
         self.allocated_at_begin = 0
         self.rss_at_begin_kib = 0
@@ -138,6 +160,7 @@ class _Meter:
     def step_end(self) -> None:
         self._sync()
         self.step_ends.append(time.perf_counter())
+        self.step_cpu_ends.append(time.process_time())
 
     def memory(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -164,7 +187,12 @@ def build_data(spec: dict[str, Any]) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(spec["seed"])
     rows, seq, vocab = spec["steps"] * spec["micro_batch"] * spec["ga"], spec["seq_len"], spec["vocab"]
     data: list[dict[str, Any]] = []
-    if spec["model"] == "bert-base":
+    if spec["model"] == "resnet18":
+        side = spec["seq_len"]
+        pixels = torch.randn(rows, 3, side, side, generator=g)
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        return [{"pixel_values": pixels[i], "labels": labels[i]} for i in range(rows)]
+    if spec["model"] in BERT_LIKE:
         ids = torch.randint(5, vocab, (rows, seq), generator=g)
         labels = torch.randint(0, 2, (rows,), generator=g)
         for i in range(rows):
@@ -188,7 +216,19 @@ def build_model(spec: dict[str, Any]) -> Any:
     hidden, layers, heads, intermediate = spec["hidden"], spec["layers"], spec["heads"], spec["intermediate"]
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):  # random init directly on the device (faster than on the CPU, then moved)
-        if spec["model"] == "bert-base":
+        if spec["model"] == "resnet18":
+            from transformers import ResNetConfig, ResNetForImageClassification
+
+            widths = [hidden * 2**i for i in range(layers)]
+            config = ResNetConfig(
+                embedding_size=hidden,
+                hidden_sizes=widths,
+                depths=[2] * layers,
+                layer_type="basic",
+                num_labels=spec["vocab"],
+            )
+            return ResNetForImageClassification(config)
+        if spec["model"] in BERT_LIKE:
             from transformers import BertConfig, BertForSequenceClassification
 
             config = BertConfig(
@@ -426,6 +466,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         timed_steps=timed_steps,
         timed_s=timed_s,
         samples_per_s=timed_steps * samples_per_step / timed_s if timed_steps > 0 and timed_s > 0 else None,
+        cpu_timed_s=meter.step_cpu_ends[-1] - meter.step_cpu_ends[0],
         train_s=ends[-1] - meter.train_begin,
         **meter.memory(),
     )
@@ -486,13 +527,24 @@ def launch(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         }
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     result["process_wall_s"] = wall
+    cpu_s = result.get("cpu_timed_s")
+    samples = result["timed_steps"] * spec["micro_batch"] * spec["ga"]
+    result["samples_per_cpu_s"] = samples / cpu_s if cpu_s else None
     return result
 
 
-def make_spec(opts: argparse.Namespace, model: str, precision: str, ga: int, runner: str) -> dict[str, Any]:
-    hidden, layers, heads, intermediate, vocab, seq, micro = TINY_SHAPE if opts.tiny else FULL_SHAPES[model]
-    if not opts.tiny:
-        micro = opts.bert_micro_batch if model == "bert-base" else opts.gpt2_micro_batch
+def make_spec(
+    opts: argparse.Namespace, model: str, precision: str, ga: int, runner: str, round_index: int = 0
+) -> dict[str, Any]:
+    if opts.tiny:
+        hidden, layers, heads, intermediate, vocab, seq, micro = (
+            TINY_RESNET_SHAPE if model == "resnet18" else TINY_SHAPE
+        )
+    else:
+        hidden, layers, heads, intermediate, vocab, seq, micro = FULL_SHAPES[model]
+        micro = {"bert-base": opts.bert_micro_batch, "gpt2-small": opts.gpt2_micro_batch}.get(model, micro)
+    seq = (opts.image_size if model == "resnet18" else opts.seq_len) or seq
+    micro = opts.micro_batch or micro
     return {
         "model": model,
         "precision": precision,
@@ -511,6 +563,7 @@ def make_spec(opts: argparse.Namespace, model: str, precision: str, ga: int, run
         "lr": 1e-5,
         "seed": opts.seed,
         "cpu_threads": opts.cpu_threads if opts.device == "cpu" else None,
+        **({"round": round_index} if opts.rounds > 1 else {}),
     }
 
 
@@ -522,27 +575,54 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, precision, GA): each runner's samples/s and peak memory, the ratios, the goals."""
-    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+PAIRS = {"gradaccum_vs_stock": ("gradaccum", "stock"), "loop_vs_accelerate": ("gradaccum_loop", "accelerate_loop")}
+
+
+def summarize(results: list[dict[str, Any]], metric: str = "wall") -> list[dict[str, Any]]:
+    """
+    One row per (model, precision, GA): each runner's samples/s (median over rounds) and peak memory, the ratios, the
+    goals. With several rounds each ratio is the median of the per-round ratios (a round runs the two runners of a
+    pair one after the other, in alternating order), with their range. `metric="cpu"` uses samples per second of
+    the worker's process CPU time instead of wall time.
+    """
+    speed_key = "samples_per_s" if metric == "wall" else "samples_per_cpu_s"
+    groups: dict[tuple[str, str, int], dict[int, dict[str, dict[str, Any]]]] = {}
+    micro: dict[tuple[str, str, int], int] = {}
     for r in results:
         s = r["spec"]
-        row = rows.setdefault(
-            (s["model"], s["precision"], s["ga"]),
-            {"model": s["model"], "precision": s["precision"], "ga": s["ga"], "micro_batch": s["micro_batch"]},
-        )
-        ok = r.get("status") == "ok"
-        row[f"{s['runner']}_status"] = r.get("status")
-        row[f"{s['runner']}_samples_per_s"] = r.get("samples_per_s") if ok else None
-        row[f"{s['runner']}_peak_mib"] = r.get("peak_mib") if ok else None
-        row[f"{s['runner']}_peak_reserved_mib"] = r.get("peak_reserved_mib") if ok else None
-    for row in rows.values():
-        sp = {k: row.get(f"{k}_samples_per_s") for k in RUNNERS}
-        mem = {k: row.get(f"{k}_peak_mib") for k in RUNNERS}
-        row["speed_gradaccum_vs_stock"] = _ratio(sp["gradaccum"], sp["stock"])
-        row["speed_loop_vs_accelerate"] = _ratio(sp["gradaccum_loop"], sp["accelerate_loop"])
-        row["memory_gradaccum_vs_stock"] = _ratio(mem["gradaccum"], mem["stock"])
-        row["memory_loop_vs_accelerate"] = _ratio(mem["gradaccum_loop"], mem["accelerate_loop"])
+        key = (s["model"], s["precision"], s["ga"])
+        groups.setdefault(key, {}).setdefault(s.get("round", 0), {})[s["runner"]] = r
+        micro[key] = s["micro_batch"]
+    rows: list[dict[str, Any]] = []
+    for key, rounds in groups.items():
+        row: dict[str, Any] = {"model": key[0], "precision": key[1], "ga": key[2], "micro_batch": micro[key]}
+        row["rounds"] = len(rounds)
+        for runner in RUNNERS:
+            runs = [by_runner[runner] for by_runner in rounds.values() if runner in by_runner]
+            ok = [run for run in runs if run.get("status") == "ok"]
+            row[f"{runner}_status"] = runs[-1].get("status") if runs else None
+            row[f"{runner}_samples_per_s"] = _median([run.get(speed_key) for run in ok])
+            row[f"{runner}_peak_mib"] = _median([run.get("peak_mib") for run in ok])
+            row[f"{runner}_peak_reserved_mib"] = _median([run.get("peak_reserved_mib") for run in ok])
+        for name, (ours, theirs) in PAIRS.items():
+            speed, memory = [], []
+            for by_runner in rounds.values():
+                a, b = by_runner.get(ours, {}), by_runner.get(theirs, {})
+                if a.get("status") == "ok" and b.get("status") == "ok":
+                    speed.append(_ratio(a.get(speed_key), b.get(speed_key)))
+                    memory.append(_ratio(a.get("peak_mib"), b.get("peak_mib")))
+            speed = [v for v in speed if v is not None]
+            row[f"speed_{name}"] = _median(speed)
+            row[f"speed_{name}_range"] = [min(speed), max(speed)] if speed else None
+            row[f"memory_{name}"] = _median(memory)
         goals: dict[str, bool | None] = {
             "speed_vs_stock": None
             if row["speed_gradaccum_vs_stock"] is None
@@ -555,12 +635,20 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else row["memory_gradaccum_vs_stock"] <= MEMORY_VS_STOCK_GOAL,
         }
         row["goals"] = goals
+        rows.append(row)
     order = {m: i for i, m in enumerate(MODELS)}, {p: i for i, p in enumerate(PRECISIONS)}
-    return sorted(rows.values(), key=lambda r: (order[0][r["model"]], order[1][r["precision"]], r["ga"]))
+    return sorted(rows, key=lambda r: (order[0][r["model"]], order[1][r["precision"]], r["ga"]))
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def _ratio_cell(row: dict[str, Any], name: str) -> str:
+    value, spread = row[f"speed_{name}"], row.get(f"speed_{name}_range")
+    if value is None or not spread or row.get("rounds", 1) < 2:
+        return _fmt(value, ".3f")
+    return f"{value:.3f} ({spread[0]:.3f}-{spread[1]:.3f})"
 
 
 def _mark(goal: bool | None) -> str:
@@ -585,7 +673,14 @@ def markdown(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: di
         f"Device: {meta['device_name']} ({meta['device']}); torch {meta['torch']}, transformers "
         f"{meta['transformers']}, accelerate {meta['accelerate']}; TF32 matmul {meta['allow_tf32_matmul']} (torch's "
         f"default, left as is); {meta['steps']} optimizer steps per run, the first warmup; "
-        f"{'tiny shapes' if meta['tiny'] else 'full shapes'}; one run per configuration; "
+        f"{'tiny shapes' if meta['tiny'] else 'full shapes'}; "
+        + (
+            f"{meta['rounds']} rounds of alternating pairs, each ratio the median of the per-round ratios (range in "
+            "brackets); "
+            if meta["rounds"] > 1
+            else "one run per configuration; "
+        )
+        + f"speed from {'wall' if meta['metric'] == 'wall' else 'process CPU'} time; "
         f"whole grid {meta['total_wall_s']:.0f} s.",
         "",
         "samples/s of each runner (st = stock Trainer, ga = GradAccumTrainer, acc = Accelerate loop, gal = "
@@ -603,7 +698,7 @@ def markdown(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: di
         lines.append(
             f"| {row['model']} | {row['precision']} | {row['ga']} | {row['micro_batch']} | "
             + " | ".join(_cell(row, k, "samples_per_s", ".1f") for k in RUNNERS)
-            + f" | {_fmt(row['speed_gradaccum_vs_stock'], '.3f')} | {_fmt(row['speed_loop_vs_accelerate'], '.3f')} | "
+            + f" | {_ratio_cell(row, 'gradaccum_vs_stock')} | {_ratio_cell(row, 'loop_vs_accelerate')} | "
             + " | ".join(_cell(row, k, "peak_mib", ".0f") for k in RUNNERS)
             + f" | {_fmt(row['memory_gradaccum_vs_stock'], '.3f')} | {_fmt(row['memory_loop_vs_accelerate'], '.3f')}"
             + f" | {_mark(g['speed_vs_stock'])} | {_mark(g['speed_vs_loop'])} | {_mark(g['memory_vs_stock'])} |"
@@ -626,7 +721,9 @@ def markdown(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: di
             lines.append(f"- {s['model']} {s['precision']} GA {s['ga']} {s['runner']}: {r.get('status')}: {why}")
     lines += [
         "",
-        "samples/s: samples of the timed steps / their wall time (end of the warmup step to the end of the last step, "
+        "samples/s: samples of the timed steps / their "
+        + ("wall time" if meta["metric"] == "wall" else "process CPU time (all threads)")
+        + " (end of the warmup step to the end of the last step, "
         "CUDA synchronized). Peak memory: "
         + (
             "`torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` at the start of training "
@@ -695,6 +792,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpt2_micro_batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per worker before it is killed")
     parser.add_argument("--cpu_threads", type=int, default=1, help="torch threads per worker with --device cpu")
+    parser.add_argument(
+        "--micro_batch", type=int, default=None, help="micro-batch for every model (default: per model)"
+    )
+    parser.add_argument(
+        "--seq_len", type=int, default=None, help="sequence length of the text models (default: per model)"
+    )
+    parser.add_argument("--image_size", type=int, default=None, help="image side of resnet18 (default 224; tiny 32)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the grid this many times, each pair's order alternating (stock, ours / ours, stock); ratios "
+        "are the median of the per-round ratios, with their range",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="speed from wall time or from the worker's process CPU time (steadier on a shared CPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS_DIR / "throughput.json"), help="JSON path; .md and .png beside")
     parser.add_argument(
@@ -716,17 +833,24 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if opts.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    # Each round runs every configuration once; the two runners of a pair swap order from one round to the next, so
+    # a drift of the machine does not always favour the same one.
     grid = [
-        make_spec(opts, model, precision, ga, runner)
+        make_spec(opts, model, precision, ga, runner, round_index)
+        for round_index in range(opts.rounds)
         for model in opts.models
         for precision in opts.precisions
         for ga in opts.ga
-        for runner in opts.runners
+        for runner in (opts.runners if round_index % 2 == 0 else opts.runners[::-1])
     ]
     meta: dict[str, Any] = {
         "command": "python benchmarks/bench_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": opts.device,
         "tiny": opts.tiny,
+        "rounds": opts.rounds,
+        "metric": opts.metric,
         "steps": grid[0]["steps"] if grid else None,
         "timeout_s": opts.timeout,
         "platform": platform.platform(),
@@ -754,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
         result = reused if reused is not None else launch(spec, opts.timeout)
         results.append(result)
         label = f"[{i + 1}/{len(grid)}] {spec['model']} {spec['precision']} GA{spec['ga']} {spec['runner']}"
+        if opts.rounds > 1:
+            label += f" (round {spec['round'] + 1})"
         if result.get("status") == "ok":
             detail = (
                 f"{result['samples_per_s']:.1f} samples/s, peak {result['peak_mib']:.0f} MiB, "
@@ -776,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in ("torch", "transformers", "accelerate"):  # what the workers imported, if one ran
         meta[name] = first_ok.get(name) or meta[name]
-    rows = summarize(results) if results else []
+    rows = summarize(results, opts.metric) if results else []
     md = markdown(rows, results, meta) if rows else "(empty grid)\n"
     md_path, png_path = out.with_suffix(".md"), out.with_suffix(".png")
     meta["plot"] = str(png_path) if rows and plot(rows, png_path) else None

@@ -62,3 +62,72 @@ def test_bench_throughput_tiny_cpu_grid(tmp_path: Path) -> None:
     assert len(table_rows) == 1 and table_rows[0].startswith("| bert-base | fp32 | 2 | 4 |")
     assert "not run" not in table_rows[0] and "failed" not in table_rows[0]
     assert table_rows[0] in proc.stdout  # the table is printed too
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_give_the_median_of_per_round_ratios_and_their_range() -> None:
+    """Per-round pairing: each round's ours/stock ratio is computed within the round, and the row reports their
+    median and range (not the ratio of medians, which pairs runs of different rounds)."""
+    bench = _load_script()
+
+    def result(runner: str, round_index: int, wall: float, cpu: float) -> dict:
+        spec = {
+            "model": "minilm",
+            "precision": "fp32",
+            "ga": 8,
+            "micro_batch": 4,
+            "runner": runner,
+            "round": round_index,
+        }
+        return {"spec": spec, "status": "ok", "samples_per_s": wall, "samples_per_cpu_s": cpu, "peak_mib": 100.0}
+
+    results = [
+        result("stock", 0, 10.0, 5.0),
+        result("gradaccum", 0, 9.0, 5.5),  # round 0: 0.9 (wall), 1.1 (cpu)
+        result("gradaccum", 1, 20.0, 4.0),
+        result("stock", 1, 20.0, 5.0),  # round 1: 1.0, 0.8
+        result("stock", 2, 10.0, 5.0),
+        result("gradaccum", 2, 12.0, 5.0),  # round 2: 1.2, 1.0
+    ]
+    (wall,) = bench.summarize(results, "wall")
+    assert wall["rounds"] == 3
+    assert wall["speed_gradaccum_vs_stock"] == 1.0
+    assert wall["speed_gradaccum_vs_stock_range"] == [0.9, 1.2]
+    assert wall["speed_loop_vs_accelerate"] is None
+    (cpu,) = bench.summarize(results, "cpu")
+    assert cpu["speed_gradaccum_vs_stock"] == 1.0
+    assert cpu["speed_gradaccum_vs_stock_range"] == [0.8, 1.1]
+    assert cpu["stock_samples_per_s"] == 5.0
+
+
+def test_resnet18_worker_trains_on_cpu() -> None:
+    """The image shape runs end to end in a worker (tiny ResNet, GradAccumTrainer, 2 optimizer steps)."""
+    bench = _load_script()
+    import argparse
+
+    opts = argparse.Namespace(
+        tiny=True,
+        device="cpu",
+        steps=None,
+        micro_batch=None,
+        seq_len=None,
+        image_size=None,
+        cpu_threads=1,
+        seed=0,
+        rounds=1,
+        bert_micro_batch=16,
+        gpt2_micro_batch=8,
+    )
+    spec = bench.make_spec(opts, "resnet18", "fp32", 2, "gradaccum")
+    result = bench.launch(spec, timeout_s=300)
+    assert result["status"] == "ok", result.get("error") or result.get("stderr_tail")
+    assert result["optimizer_steps"] == 2 and result["accumulator"]["applied_steps"] == 2
+    assert result["samples_per_s"] > 0 and result["samples_per_cpu_s"] > 0
