@@ -105,6 +105,7 @@ def test_bf16_accumulates_in_fp32(records, stage):
         "take_back_skipped_steps",
         "fp16_recompute",
         "coupled_loss",
+        "autotp",
     ],
 )
 def test_what_cannot_run_under_deepspeed_is_refused_at_construction(records, option):

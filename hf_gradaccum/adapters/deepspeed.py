@@ -124,6 +124,13 @@ def check_deepspeed(trainer: Any) -> None:
             "DeepSpeed decides itself whether a step is skipped (fp16 overflow) and advances its own counters",
             "set `take_back_skipped_steps=False`",
         ),
+        (
+            _model_parallel(trainer),
+            "sequence or tensor parallelism (Ulysses, AutoTP)",
+            "ranks of one model-parallel group see the same samples, so the window's items summed over all processes "
+            "would count them once per rank",
+            "train data-parallel only (ZeRO 1/2/3), or use the stock Trainer for Ulysses / AutoTP",
+        ),
     ]
     for refused, what, why, fix in refusals:
         if refused:
@@ -135,6 +142,23 @@ def check_deepspeed(trainer: Any) -> None:
     bf16 = bool(args.bf16 or config.get("bf16", {}).get("enabled") is True)
     if fp16 or bf16:
         accumulate_in_fp32(config)
+
+
+def _model_parallel(trainer: Any) -> bool:
+    """Whether DeepSpeed also splits the model over ranks (Ulysses sequence parallelism, AutoTP)."""
+    config = deepspeed_config(trainer)
+    autotp = config.get("tensor_parallel", {}).get("autotp_size", 1)
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    ulysses = bool(
+        parallelism is not None
+        and getattr(parallelism, "sp_backend", None) == "deepspeed"
+        and getattr(parallelism, "sp_enabled", False)
+    )
+    return (
+        ulysses
+        or (isinstance(autotp, int) and autotp > 1)
+        or config.get("sequence_parallel_size", 1) not in (1, "auto")
+    )
 
 
 def _check_fp16(args: Any) -> None:

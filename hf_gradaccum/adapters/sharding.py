@@ -1,12 +1,12 @@
 """Which distributed engines `GradAccumTrainer` runs under, and how it sets up FSDP2.
 
 DDP and FSDP2 leave the gradients to hooks the accumulator can sit in: DDP through `no_sync`, FSDP2 through the
-post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/fsdp2/buffers.py). FSDP1 accumulates
-and reduces flat-parameter gradients inside its own engine, so it is refused. DeepSpeed also owns its gradients; there
-the window is made exact through the loss handed to its engine instead (adapters/deepspeed.py). For FSDP2 through Accelerate's plugin
-(`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is sharded: Accelerate's `bf16`/`fp16`
-policy reduce-scatters in the compute dtype, which would round every micro-batch's gradient before it reaches the
-fp32 buffer.
+post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/fsdp2/buffers.py). FSDP1
+accumulates and reduces flat-parameter gradients inside its own engine, so it is refused. DeepSpeed also owns its
+gradients; there the window is made exact through the loss handed to its engine instead (adapters/deepspeed.py). For
+FSDP2 through Accelerate's plugin (`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is
+sharded: Accelerate's `bf16`/`fp16` policy reduce-scatters in the compute dtype, which would round every micro-batch's
+gradient before it reaches the fp32 buffer.
 """
 
 from __future__ import annotations

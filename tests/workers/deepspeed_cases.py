@@ -228,9 +228,10 @@ def refusal_cases(model, data, workdir: str) -> list[dict]:
     from tests.composition_cases import tiny_mixtral
 
     out = []
-    for name, overrides in [*REFUSALS.items(), ("coupled_loss", {})]:
+    for name, overrides in [*REFUSALS.items(), ("coupled_loss", {}), ("autotp", {})]:
         reset_accelerate()
-        args = train_args(GradAccumArguments, f"{workdir}/refuse_{name}", ds_config(2), **overrides)
+        config = ds_config(2, tensor_parallel={"autotp_size": 2}) if name == "autotp" else ds_config(2)
+        args = train_args(GradAccumArguments, f"{workdir}/refuse_{name}", config, **overrides)
         kwargs = {"coupled_loss": ranking_coupled_loss()} if name == "coupled_loss" else {}
         try:
             refused_model = tiny_mixtral() if name == "moe_load_balance" else copy.deepcopy(model)
