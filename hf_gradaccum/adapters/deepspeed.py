@@ -252,9 +252,7 @@ class DeepSpeedWindow:
             float(accelerator.reduce(count, reduction="sum")) if accelerator.num_processes > 1 else float(count)
         )
 
-    def training_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], items: float, parent_step: Callable[[], torch.Tensor]
-    ) -> torch.Tensor:
+    def training_step(self, items: float, parent_step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run the parents' `training_step` (`parent_step`) on one micro-batch of `items` items, weighting the loss
         Accelerate hands to DeepSpeed. Returns the parent's detached mean loss."""
         if self.window_items is None:

@@ -16,7 +16,9 @@ differences). Public methods overridden:
   the scaler installed here (`WindowGradScaler`), which asks the accumulator; after an fp16 overflow only that
   micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
   mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
-  out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
+  out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept); under
+  DeepSpeed, no accumulator: the loss Accelerate hands to DeepSpeed's engine is weighted instead
+  (`adapters/deepspeed.py`);
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
   the MoE window mode (the model's router term replaced by the window's exact one);
 - `log`: add the accumulator's counters (`accumulator/*` keys);
@@ -82,6 +84,8 @@ class GradAccumTrainer(Trainer):
     each micro-batch's mean loss is weighted by its item count (non-`-100` labels, shifted for causal LMs, one per
     row for sequence labels) and gradients are summed in fp32 buffers. Accepts [`GradAccumArguments`] or a plain
     `TrainingArguments` (then with the default accumulation options).
+
+    Runs under DDP, FSDP2 and DeepSpeed ZeRO 1/2/3 (docs/engines.md lists what each engine supports).
 
     Composes with other `Trainer` subclasses in either order, e.g. `class MyTrainer(GradAccumTrainer, SFTTrainer)`
     or `(SFTTrainer, GradAccumTrainer)`: each micro-batch still runs through the
@@ -396,10 +400,13 @@ class GradAccumTrainer(Trainer):
             try:
                 return super(GradAccumTrainer, self).training_step(model, inputs, None)
             finally:
-                if self._present_one_step and steps is not None:
-                    self.current_gradient_accumulation_steps = steps
+                if self._present_one_step:
+                    if steps is None:
+                        del self.current_gradient_accumulation_steps
+                    else:
+                        self.current_gradient_accumulation_steps = steps
 
-        loss = self._deepspeed_window.training_step(model, inputs, items, parent_step)
+        loss = self._deepspeed_window.training_step(items, parent_step)
         return loss * (items / self._window_items_local) if self._window_items_local else loss * 0.0
 
     def _accumulated_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

@@ -105,12 +105,20 @@ def partition_numel(engine) -> dict:
     }
 
 
-def large_batch_step(model: torch.nn.Module, data) -> torch.Tensor:
-    """One SGD(lr=1) step on the 16 samples as one batch, in fp64: the update to match."""
+def large_batch_steps(model: torch.nn.Module, data) -> torch.Tensor:
+    """One SGD(lr=1) step per window, each on the window's samples as one batch, in fp64: the update to match. A
+    window is 16 consecutive samples (GA 4 x micro-batch 2 x 2 ranks); the last one may be shorter (the end of an
+    epoch)."""
     model = copy.deepcopy(model).double().train()
-    batch = default_data_collator([data[i] for i in range(len(data))])
-    model(**batch).loss.backward()
-    return torch.cat([(p - p.grad).detach().flatten() for p in model.parameters()])
+    window = MICRO * STEPS * 2
+    for start in range(0, len(data), window):
+        batch = default_data_collator([data[i] for i in range(start, min(start + window, len(data)))])
+        model.zero_grad()
+        model(**batch).loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def reset_accelerate() -> None:
@@ -133,7 +141,7 @@ def parity_case(name, stage, trainer_cls, args_cls, model, data, workdir, ds=Tru
     assert trainer.is_deepspeed_enabled
     trainer.train()
     after = full_params(trainer.model)
-    reference = large_batch_step(model, data)
+    reference = large_batch_steps(model, data)
     error = float(((after - initial) - (reference - initial)).norm() / (reference - initial).norm())
     engine = trainer.model_wrapped
     config = engine.config
@@ -260,6 +268,12 @@ def main(out_json: str, mode: str, workdir: str) -> None:
                 for trainer_cls, args_cls in ((Trainer, TrainingArguments), (GradAccumTrainer, GradAccumArguments)):
                     name = f"zero{stage}_{model_name}_{trainer_cls.__name__}"
                     records.append(parity_case(name, stage, trainer_cls, args_cls, model, data, workdir))
+        model, data = cases["gpt2"]
+        partial = data.select(list(range(SAMPLES)) + list(range(SAMPLES // 2)))  # windows of 16 and 8 samples
+        for stage in (2, 3):
+            for trainer_cls, args_cls in ((Trainer, TrainingArguments), (GradAccumTrainer, GradAccumArguments)):
+                name = f"zero{stage}_partial_gpt2_{trainer_cls.__name__}"
+                records.append(parity_case(name, stage, trainer_cls, args_cls, model, partial, workdir))
         for stage in (1, 2, 3):
             name = f"zero{stage}_bf16_gpt2_GradAccumTrainer"
             model, data = cases["gpt2"]
