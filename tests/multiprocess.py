@@ -1,6 +1,7 @@
 """Run a worker on 2 real CPU processes with `accelerate launch` (gloo). A fresh launcher process per test: forking
 the pytest process after torch has started its thread pool can deadlock the children."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,10 +16,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(*args: str, script: str = "tests/workers/run_ddp.py", timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml"]
+def launch(
+    *args: str,
+    script: str = "tests/workers/run_ddp.py",
+    timeout: int = 300,
+    config: str = "configs/accelerate/cpu_2proc.yaml",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file config script *args` from the repository root, with `env` added to this
+    process's environment; fail with its output unless it exits 0."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     cmd += ["--main_process_port", str(free_port()), script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    full_env = None if env is None else {**os.environ, **env}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 

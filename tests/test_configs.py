@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -98,11 +99,37 @@ def test_accelerate_configs_load(config):
     from accelerate.commands.config.config_args import load_config_from_file
 
     loaded = load_config_from_file(str(config))
-    assert loaded.mixed_precision in ("no", "fp16", "bf16")
     kind = str(loaded.distributed_type).removeprefix("DistributedType.")
-    assert kind in ("NO", "MULTI_GPU", "FSDP")
+    if kind == "DEEPSPEED" and loaded.deepspeed_config.get("deepspeed_config_file"):
+        assert loaded.mixed_precision is None  # Accelerate refuses it next to a DeepSpeed file, which says it
+    else:
+        assert loaded.mixed_precision in ("no", "fp16", "bf16")
+    assert kind in ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED")
     if kind == "FSDP":  # GradAccumTrainer refuses FSDP1
         assert str(loaded.fsdp_config["fsdp_version"]) == "2"
+    if kind == "DEEPSPEED":  # the engine's settings are in a configs/deepspeed file that accumulates in fp32
+        ds_file = ROOT / loaded.deepspeed_config["deepspeed_config_file"]
+        ds = json.loads(ds_file.read_text())
+        assert ds["zero_optimization"]["stage"] in (1, 2, 3)
+        assert ds["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+DEEPSPEED_CONFIGS = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
+
+
+@pytest.mark.parametrize("config", DEEPSPEED_CONFIGS, ids=[p.name for p in DEEPSPEED_CONFIGS])
+def test_deepspeed_configs_take_the_batch_from_the_trainer_and_accumulate_in_fp32(config):
+    """Every batch-size and precision value is "auto" (the Trainer fills it, so it never disagrees with the
+    arguments), gradients accumulate and are reduced in fp32, and the file's name says its stage and offload."""
+    ds = json.loads(config.read_text())
+    assert {p.name for p in DEEPSPEED_CONFIGS} >= {f"zero{s}.json" for s in (1, 2, 3)}
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+        assert ds[key] == "auto", key
+    assert ds["bf16"]["enabled"] == ds["fp16"]["enabled"] == "auto"
+    assert ds["data_types"]["grad_accum_dtype"] == ds["communication_data_type"] == "fp32"
+    zero = ds["zero_optimization"]
+    assert config.name.startswith(f"zero{zero['stage']}")
+    assert ("offload_optimizer" in zero) == ("offload" in config.name)
 
 
 # ---------------------------------------------------------------------------------------------------- the parser

@@ -1,11 +1,12 @@
 """Which distributed engines `GradAccumTrainer` runs under, and how it sets up FSDP2.
 
 DDP and FSDP2 leave the gradients to hooks the accumulator can sit in: DDP through `no_sync`, FSDP2 through the
-post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/fsdp2/buffers.py). DeepSpeed and FSDP1
-accumulate and reduce gradients inside their own engines, so they are refused. For FSDP2 through Accelerate's plugin
-(`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is sharded: Accelerate's `bf16`/`fp16`
-policy reduce-scatters in the compute dtype, which would round every micro-batch's gradient before it reaches the
-fp32 buffer.
+post-accumulate-grad hook on each sharded parameter after its reduce-scatter (engine/fsdp2/buffers.py). FSDP1
+accumulates and reduces flat-parameter gradients inside its own engine, so it is refused. DeepSpeed also owns its
+gradients; there the window is made exact through the loss handed to its engine instead (adapters/deepspeed.py). For
+FSDP2 through Accelerate's plugin (`fsdp_version: 2`) the reduction dtype is raised to fp32 before the model is
+sharded: Accelerate's `bf16`/`fp16` policy reduce-scatters in the compute dtype, which would round every micro-batch's
+gradient before it reaches the fp32 buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..engine.fsdp2.buffers import is_dtensor
 from .arguments import gradaccum_option
+from .deepspeed import check_deepspeed, deepspeed_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ def trainer_shards_gradients(trainer: Any) -> bool:
 
 def check_trainer_engine(trainer: Any) -> None:
     """
-    Refuse DeepSpeed and FSDP1 with an error that says what to use; for FSDP2, make the reduce-scatter fp32 and refuse
+    Under DeepSpeed, refuse what cannot run there and make it accumulate in fp32 (`check_deepspeed`). Refuse FSDP1
+    with an error that says what to use; for FSDP2, make the reduce-scatter fp32 and refuse
     what does not work sharded yet. Warn when FSDP was asked for in the arguments but Accelerate did not set it up
     (it does so only for GPU-type devices), so the run is DDP.
 
@@ -46,13 +49,10 @@ def check_trainer_engine(trainer: Any) -> None:
     >>> check_trainer_engine(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__)
     ```
     """
-    if trainer.is_deepspeed_enabled or getattr(trainer.args, "deepspeed", None):
-        raise ValueError(
-            "GradAccumTrainer does not support DeepSpeed: its engine accumulates and reduces gradients itself, so "
-            "this project's buffers and item weighting would be bypassed. Use DDP or FSDP2 (`accelerate launch "
-            "--config_file configs/accelerate/fsdp2.yaml`) with GradAccumTrainer, or DeepSpeed's own accumulation "
-            "(`gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`) with the stock Trainer."
-        )
+    if deepspeed_enabled(trainer):
+        _check_reduce_schedule(trainer.args, fsdp2=False)
+        check_deepspeed(trainer)
+        return
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     fsdp2 = trainer.is_fsdp_enabled and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
     _check_reduce_schedule(trainer.args, fsdp2)

@@ -16,7 +16,9 @@ differences). Public methods overridden:
   the scaler installed here (`WindowGradScaler`), which asks the accumulator; after an fp16 overflow only that
   micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
   mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
-  out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept);
+  out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept); under
+  DeepSpeed, no accumulator: the loss Accelerate hands to DeepSpeed's engine is weighted instead
+  (`adapters/deepspeed.py`);
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
   the MoE window mode (the model's router term replaced by the window's exact one);
 - `log`: add the accumulator's counters (`accumulator/*` keys);
@@ -61,6 +63,7 @@ from .compat import (
 )
 from .compositions import CompositionError, refuse_unaccumulable_losses, unknown_composed_trainer
 from .coupled import CoupledWindowMode
+from .deepspeed import DeepSpeedWindow, deepspeed_enabled
 from .effective_batch import EffectiveBatchCallback
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
@@ -81,6 +84,8 @@ class GradAccumTrainer(Trainer):
     each micro-batch's mean loss is weighted by its item count (non-`-100` labels, shifted for causal LMs, one per
     row for sequence labels) and gradients are summed in fp32 buffers. Accepts [`GradAccumArguments`] or a plain
     `TrainingArguments` (then with the default accumulation options).
+
+    Runs under DDP, FSDP2 and DeepSpeed ZeRO 1/2/3 (docs/engines.md lists what each engine supports).
 
     Composes with other `Trainer` subclasses in either order, e.g. `class MyTrainer(GradAccumTrainer, SFTTrainer)`
     or `(SFTTrainer, GradAccumTrainer)`: each micro-batch still runs through the
@@ -117,6 +122,8 @@ class GradAccumTrainer(Trainer):
     _hand_over: Callable[[torch.Tensor], torch.Tensor] | None = None
     _count_generation_micro_batch: Callable[[float], None] | None = None
     _replayed_micro_batch: dict[str, Any] | None = None
+    # Under DeepSpeed: the weight of each micro-batch's loss handed to its engine (`adapters/deepspeed.py`).
+    _deepspeed_window: DeepSpeedWindow | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -157,6 +164,8 @@ class GradAccumTrainer(Trainer):
         # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
         self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
+        # DeepSpeed keeps the gradients itself: the window is made exact through the loss handed to its engine.
+        self._deepspeed_window = DeepSpeedWindow(self) if deepspeed_enabled(self) else None
         # The model computes its own mean over its items, which the accumulator weights: `num_items_in_batch` must
         # not reach `forward` (most heads ignore it, some would divide by it), and the parent's `training_step` must
         # not divide the loss by the accumulation steps. `loss_is_scaled_for_ga` is the attribute transformers
@@ -326,6 +335,8 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = float(sum(counts))
                 # Reused at each micro-step: counting again there would read the device once per micro-batch.
                 self._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
+        if self._deepspeed_window is not None:
+            self._deepspeed_window.window_prefetched(self._window_items_local)  # all ranks' items: one all-reduce
         if batch_samples and self._kto_baseline is not None:
             self._kto_baseline.prepare(self, batch_samples)  # forward-only, over all ranks
         if batch_samples and self._unknown_composition and not getattr(self, "_accumulation_verified", False):
@@ -371,9 +382,32 @@ class GradAccumTrainer(Trainer):
 
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
+        if self._deepspeed_window is not None:
+            return self._deepspeed_step(model, inputs)
         if self.coupled_mode is not None:
             return self.coupled_mode.training_step(self, model, inputs, lambda: self._accumulated_step(model, inputs))
         return self._accumulated_step(model, inputs)
+
+    def _deepspeed_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """One micro-batch under DeepSpeed: the parents' own `training_step`, its loss weighted on the way to
+        DeepSpeed's engine. Returns the micro-batch's share of the window's mean loss, as `_accumulated_step`."""
+        items = self._micro_batch_items(inputs)
+
+        def parent_step() -> torch.Tensor:
+            steps = getattr(self, "current_gradient_accumulation_steps", None)
+            if self._present_one_step:
+                self.current_gradient_accumulation_steps = 1
+            try:
+                return super(GradAccumTrainer, self).training_step(model, inputs, None)
+            finally:
+                if self._present_one_step:
+                    if steps is None:
+                        del self.current_gradient_accumulation_steps
+                    else:
+                        self.current_gradient_accumulation_steps = steps
+
+        loss = self._deepspeed_window.training_step(items, parent_step)
+        return loss * (items / self._window_items_local) if self._window_items_local else loss * 0.0
 
     def _accumulated_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         accumulator = self._get_accumulator(model)
@@ -555,7 +589,7 @@ class GradAccumTrainer(Trainer):
             or trainer_shards_gradients(self)
             or (accumulator is not None and not accumulator.loss_factor_is_one)
         )
-        if not needed or isinstance(self.accelerator.scaler, WindowGradScaler):
+        if not needed or self._deepspeed_window is not None or isinstance(self.accelerator.scaler, WindowGradScaler):
             return
         if self.accelerator.gradient_accumulation_steps != 1:
             # Accelerate would divide each loss by its own steps before handing it over.

@@ -14,14 +14,15 @@ PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "s
 def collect_environment() -> dict[str, Any]:
     """
     The facts `hf-gradaccum env` prints: Python, package versions (with where each stands against the tested range),
-    torch's CUDA/cuDNN/NCCL builds, the devices and their bf16/fp16 support, and the distributed backends.
+    torch's CUDA/cuDNN/NCCL builds, the devices and their bf16/fp16 support, the distributed backends, and the
+    distributed engines `GradAccumTrainer` runs under that this install has (docs/engines.md).
 
     Example:
 
     ```python
     >>> from hf_gradaccum.diagnostics.environment import collect_environment
     >>> sorted(collect_environment())[:3]
-    ['backends', 'devices', 'hf_gradaccum']
+    ['backends', 'devices', 'engines']
     ```
     """
     import torch
@@ -65,6 +66,38 @@ def collect_environment() -> dict[str, Any]:
         },
         "devices": devices,
         "backends": {name: distributed and _backend_available(name) for name in ("gloo", "nccl", "mpi", "xccl")},
+        "engines": installed_engines(),
+    }
+
+
+def installed_engines() -> dict[str, str | None]:
+    """
+    The distributed engines `GradAccumTrainer` runs under, each with what this install has of it: "DDP" and "FSDP2"
+    (`fully_shard`) come with torch.distributed; "DeepSpeed" is its version, or `None` when not installed (read from
+    the package metadata: importing DeepSpeed would probe the accelerators).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.diagnostics.environment import installed_engines
+    >>> sorted(installed_engines())
+    ['DDP', 'DeepSpeed', 'FSDP2']
+    ```
+    """
+    import importlib.util
+
+    import torch
+
+    distributed = torch.distributed.is_available()
+    fsdp2 = distributed and importlib.util.find_spec("torch.distributed.fsdp") is not None
+    if fsdp2:
+        import torch.distributed.fsdp as fsdp
+
+        fsdp2 = hasattr(fsdp, "fully_shard")
+    return {
+        "DDP": "torch.distributed" if distributed else None,
+        "FSDP2": "torch.distributed.fsdp.fully_shard" if fsdp2 else None,
+        "DeepSpeed": installed_version("deepspeed"),
     }
 
 
@@ -103,7 +136,10 @@ def format_environment(env: dict[str, Any]) -> str:
     lines += ["", f"- torch build: CUDA {build['cuda'] or '-'}, cuDNN {build['cudnn'] or '-'}, "
               f"NCCL {build['nccl'] or '-'}" + (f", HIP {build['hip']}" if build["hip"] else "")]  # fmt: skip
     backends = ", ".join(name for name, ok in env["backends"].items() if ok) or "none"
-    lines += [f"- Distributed backends: {backends}", "", "| device | detail | precisions | not supported |"]
+    engines = ", ".join(f"{name} {have}" if name == "DeepSpeed" and have else (name if have else f"{name} not installed")
+                        for name, have in env.get("engines", {}).items())  # fmt: skip
+    lines += [f"- Distributed backends: {backends}", f"- Engines: {engines or '-'}"]
+    lines += ["", "| device | detail | precisions | not supported |"]
     lines.append("|---|---|---|---|")
     for device in env["devices"]:
         unsupported = "; ".join(f"{p}: {why}" for p, why in device["unsupported"].items()) or "-"

@@ -172,7 +172,7 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
     """
     DeepSpeed and FSDP1 (`FullyShardedDataParallel`) accumulate and reduce gradients themselves, so the buffers
     cannot sit between backward and the optimizer: refuse them with an error that says what to use, instead of
-    training wrong. FSDP2 (`fully_shard`) is supported (sharded buffers); DTensor parameters without FSDP2 (tensor
+    training wrong (`GradAccumTrainer` under DeepSpeed weights the loss instead and installs no buffers). FSDP2 (`fully_shard`) is supported (sharded buffers); DTensor parameters without FSDP2 (tensor
     parallelism) are refused.
     """
     if not isinstance(model, nn.Module):
@@ -190,10 +190,15 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
     elif any(is_dtensor(p) for p in model.parameters()) and not prepare_fsdp2_for_summing(model):
         engine = "tensor parallelism (DTensor parameters without FSDP2)"
     if engine is not None:
+        deepspeed = (
+            " Under DeepSpeed, use `GradAccumTrainer`: it weights each micro-batch's loss before DeepSpeed's own "
+            "accumulation (docs/engines.md)."
+            if engine == "DeepSpeed"
+            else ""
+        )
         raise ValueError(
             f"GradientAccumulator does not support {engine}: the engine shards and reduces gradients itself. Use DDP "
-            "or FSDP2 (`torch.distributed.fsdp.fully_shard`) with hf_gradaccum, or the engine's own gradient "
-            "accumulation (DeepSpeed: `gradient_accumulation_steps` with `data_types.grad_accum_dtype: fp32`)."
+            f"or FSDP2 (`torch.distributed.fsdp.fully_shard`) with hf_gradaccum.{deepspeed}"
         )
 
 
