@@ -86,9 +86,7 @@ def test_tensor_parallel_refuses_what_it_cannot_run(two_ranks):
     assert "`auto_find_batch_size=True` is not supported under FSDP2 (or tensor parallelism)" in refused["oom_retry"]
 
 
-@pytest.mark.parametrize(
-    ("route", "mesh"), [("hsdp", "dp_replicate,fsdp"), ("pc_hsdp", "dp_replicate,dp_shard_cp")]
-)
+@pytest.mark.parametrize(("route", "mesh"), [("hsdp", "dp_replicate,fsdp"), ("pc_hsdp", "dp_replicate,dp_shard_cp")])
 def test_hsdp_matches_large_batch(four_ranks, route, mesh):
     """HSDP, 2 replicas x 2 shards, through `DistributedConfig(dp_replicate_size=2, fsdp_size=2)` and through
     Accelerate's `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)` with its FSDP2 plugin: reduce-scatter in
