@@ -8,6 +8,11 @@ sums each window's items and replicated gradients over that `dp` group alone (`e
 needs nothing more than FSDP2 does: every rank sees its own batch, and FSDP2's reduce-scatter within a replica and
 all-reduce across replicas both sum once their divide factor is 1.
 
+For a model FSDP2-sharded at load time the Trainer turns FSDP2's gradient sync off around every micro-batch but a
+window's last (`set_requires_gradient_sync(False)`, with HSDP `set_requires_all_reduce(False)`), as Accelerate's
+`no_sync` does for its FSDP2 plugin; the accumulator sets it per module just before each backward, following its
+`fsdp_reduce_schedule` (`engine/fsdp2/schedule.py`), so both routes reduce the same way.
+
 Context and sequence parallelism split one sequence's tokens over ranks; how their loss and items would be weighted
 has not been checked, so they are refused before training.
 """
@@ -16,9 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.fsdp2.buffers import fsdp2_modules
 from ..engine.tensor_parallel import has_tensor_parallel_parameters
-from .arguments import gradaccum_option
 
 
 def sharded_at_load_time(trainer: Any) -> bool:
@@ -28,9 +31,8 @@ def sharded_at_load_time(trainer: Any) -> bool:
 
 def check_trainer_parallelism(trainer: Any) -> None:
     """
-    Refuse context and sequence parallelism (Accelerate's `ParallelismConfig(cp_size=...)` / `sp_size=...`), and
-    for a model FSDP2-sharded at load time (`DistributedConfig(fsdp_size=...)`, HSDP) what its gradient schedule
-    cannot do, each with the reason and what to use instead.
+    Refuse context and sequence parallelism (Accelerate's `ParallelismConfig(cp_size=...)` / `sp_size=...`) with the
+    reason and what to use instead.
 
     Example:
 
@@ -39,8 +41,6 @@ def check_trainer_parallelism(trainer: Any) -> None:
     >>> check_trainer_parallelism(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__)
     ```
     """
-    if sharded_at_load_time(trainer) and fsdp2_modules(trainer.model):
-        _check_load_time_fsdp_schedule(trainer.args)
     config = getattr(trainer.accelerator, "parallelism_config", None)
     if config is None:
         return
@@ -52,27 +52,6 @@ def check_trainer_parallelism(trainer: Any) -> None:
                 "losses are weighted has not been verified against the large batch. Use `cp_size=1` and `sp_size=1` "
                 "(data, tensor and HSDP parallelism are supported), or the stock Trainer."
             )
-
-
-def _check_load_time_fsdp_schedule(args: Any) -> None:
-    """
-    For a model FSDP2-sharded at load time the Trainer itself defers FSDP2's gradient reduction to each window's
-    last micro-batch (`set_requires_gradient_sync(False)`; with HSDP `set_requires_all_reduce(False)`): one
-    reduction per window, which `fsdp_reduce_schedule` cannot change, and after which an fp16 overflow cannot be
-    pinned on one micro-batch.
-    """
-    if gradaccum_option(args, "fsdp_reduce_schedule") != "every_micro_batch":
-        raise ValueError(
-            "`fsdp_reduce_schedule` has no effect on a model sharded at load time (`DistributedConfig`): the Trainer "
-            "already reduces its gradients once per window. Leave it at 'every_micro_batch' (allowed values: "
-            "'every_micro_batch', 'once_per_window')."
-        )
-    if args.fp16 and gradaccum_option(args, "overflow_policy") == "recompute":
-        raise ValueError(
-            "fp16 on a model FSDP2-sharded at load time (`DistributedConfig(fsdp_size=...)`) needs "
-            "`overflow_policy='skip'`: the Trainer defers FSDP2's reduction to the window's last micro-batch, so an "
-            "overflowing micro-batch cannot be recomputed alone. Use `overflow_policy='skip'`, or bf16."
-        )
 
 
 def data_parallel_group(trainer: Any) -> Any | None:

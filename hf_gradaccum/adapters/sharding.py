@@ -57,8 +57,10 @@ def check_trainer_engine(trainer: Any) -> None:
     check_trainer_parallelism(trainer)
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     fsdp2 = trainer.is_fsdp_enabled and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
-    if not (sharded_at_load_time(trainer) and fsdp2_modules(trainer.model)):  # else `check_trainer_parallelism`
-        _check_reduce_schedule(trainer.args, fsdp2)
+    # A model FSDP2-sharded at load time (`DistributedConfig`) takes the same schedules as Accelerate's plugin.
+    _check_reduce_schedule(
+        trainer.args, fsdp2 or (sharded_at_load_time(trainer) and bool(fsdp2_modules(trainer.model)))
+    )
     if trainer_shards_gradients(trainer):
         _refuse_what_sharding_cannot_run(trainer)
     if not trainer.is_fsdp_enabled or plugin is None:

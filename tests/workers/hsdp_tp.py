@@ -12,7 +12,7 @@ Routes (the launch's world size must match each route's mesh):
 
 Each route trains one window on a dataset of exactly one window (so the large batch is every row, whatever order the
 sampler deals them in) for two tiny random Llama models, a causal LM (rows of different lengths) and a sequence
-classifier. Rank 0 writes `OUT_DIR/ROUTE.json`: the relative update error (or the error message) per model and
+classifier; on the FSDP2 routes `GradAccumTrainer` also with `fsdp_reduce_schedule="once_per_window"`. Rank 0 writes `OUT_DIR/ROUTE.json`: the relative update error (or the error message) per model and
 trainer.
 
 On CPU only Accelerate's device checks are lifted (`lift_accelerate_device_checks`); everything behind them runs.
@@ -44,6 +44,7 @@ from transformers import (  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
+from hf_gradaccum.engine.fsdp2.buffers import fsdp2_modules  # noqa: E402
 
 MICRO, STEPS, SEQ, VOCAB, LABELS = 2, 3, 10, 64, 3
 
@@ -57,6 +58,7 @@ ROUTES: dict[str, dict[str, Any]] = {
     "pc_tp": dict(load=dict(tp_plan="auto"), parallelism=dict(tp_size=2), dp=1),
     "pc_hsdp": dict(load={}, parallelism=dict(dp_replicate_size=2, dp_shard_size=2), dp=4, accelerate_fsdp=True),
 }
+FSDP_ROUTES = ("hsdp", "tp_fsdp", "pc_hsdp")
 MODELS = {"causal_lm": (LlamaForCausalLM, AutoModelForCausalLM), "seq_cls": (LlamaForSequenceClassification, None)}
 
 
@@ -93,6 +95,21 @@ def use_accelerate_fsdp2_on_cpu(parallelism_config: Any) -> None:
     AcceleratorState().fsdp_plugin = plugin
     AcceleratorState().parallelism_config = parallelism_config
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+class ReduceScatterCounter:
+    """Counts FSDP2's gradient reduce-scatters: FSDP2 calls `torch.distributed.reduce_scatter_single` through the
+    module attribute, which this wraps; the collective itself runs unchanged."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._reduce_scatter = dist.reduce_scatter_single
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self._reduce_scatter(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted
 
 
 def save_models(root: str) -> None:
@@ -183,10 +200,14 @@ def layout(trainer: Trainer) -> dict[str, Any]:
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in accumulator.parameters
         )
         info["full_numel"] = sum(p.numel() for p in accumulator.parameters)
+        info["window_reductions"] = accumulator.num_gradient_reductions
+        info["window_collectives"] = accumulator.num_collectives
     return info
 
 
-def train_once(trainer_cls: type, path: str, route: str, rows: list, out_dir: str) -> tuple[dict, dict]:
+def train_once(
+    trainer_cls: type, path: str, route: str, rows: list, out_dir: str, **overrides: Any
+) -> tuple[dict, dict]:
     spec = ROUTES[route]
     AcceleratorState._reset_state(reset_partial_state=True)
     model = load(path, **spec["load"])
@@ -209,23 +230,29 @@ def train_once(trainer_cls: type, path: str, route: str, rows: list, out_dir: st
         disable_tqdm=True,
         seed=0,
         **extra,
+        **overrides,
     )
     if spec.get("accelerate_fsdp"):
         _ = args.device  # resolves Accelerate's state before the FSDP gate is flipped
         use_accelerate_fsdp2_on_cpu(args.parallelism_config)
     trainer = trainer_cls(model=model, args=args, train_dataset=rows)
+    start = REDUCE_SCATTERS.calls
     trainer.train()
-    return full_parameters(trainer.model), layout(trainer)
+    info = layout(trainer)
+    info["reduce_scatters"] = REDUCE_SCATTERS.calls - start
+    info["fsdp_modules"] = len(fsdp2_modules(trainer.model))
+    return full_parameters(trainer.model), info
 
 
 # What each route must refuse at construction (or, for the plain engine, when the accumulator is built): the
 # arguments it is given, and the record key its message goes under.
 REFUSALS: dict[str, dict[str, dict[str, Any]]] = {
-    "tp": {"verify": dict(verify_accumulation="first_step"), "oom_retry": dict(auto_find_batch_size=True)},
-    "hsdp": {
+    "tp": {
+        "verify": dict(verify_accumulation="first_step"),
+        "oom_retry": dict(auto_find_batch_size=True),
         "once_per_window": dict(fsdp_reduce_schedule="once_per_window"),
-        "fp16_recompute": dict(fp16=True),
     },
+    "hsdp": {"once_per_window_fp16_recompute": dict(fsdp_reduce_schedule="once_per_window", fp16=True)},
 }
 
 
@@ -256,6 +283,9 @@ def refusals(route: str, out_dir: str) -> dict[str, str]:
     return messages
 
 
+REDUCE_SCATTERS = ReduceScatterCounter()
+
+
 def main(out_dir: str, routes: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -267,9 +297,15 @@ def main(out_dir: str, routes: list[str]) -> None:
             path = os.path.join(out_dir, model_name)
             rows = dataset(model_name, MICRO * STEPS * ROUTES[route]["dp"])
             initial, ref = large_batch_reference(path, rows)
-            for name, cls in (("stock", Trainer), ("ours", GradAccumTrainer)):
+            trainers: list[tuple[str, type, dict]] = [("stock", Trainer, {}), ("ours", GradAccumTrainer, {})]
+            if route in FSDP_ROUTES:
+                once = dict(fsdp_reduce_schedule="once_per_window")
+                trainers.append(("ours_once_per_window", GradAccumTrainer, once))
+            for name, cls, overrides in trainers:
                 try:
-                    weights, record[f"{model_name}/{name}/layout"] = train_once(cls, path, route, rows, out_dir)
+                    weights, record[f"{model_name}/{name}/layout"] = train_once(
+                        cls, path, route, rows, out_dir, **overrides
+                    )
                     record[f"{model_name}/{name}"] = relative_error(weights, initial, ref)
                 except Exception as error:  # the test says which trainer may fail, and how
                     record[f"{model_name}/{name}"] = f"{type(error).__name__}: {error}"
