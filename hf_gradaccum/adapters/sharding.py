@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from ..engine.fsdp2.buffers import is_dtensor
+from ..engine.fsdp2.buffers import fsdp2_modules, is_dtensor
 from .arguments import gradaccum_option
 from .deepspeed import check_deepspeed, deepspeed_enabled
+from .parallelism import check_trainer_parallelism, sharded_at_load_time
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,15 @@ def check_trainer_engine(trainer: Any) -> None:
         _check_reduce_schedule(trainer.args, fsdp2=False)
         check_deepspeed(trainer)
         return
+    check_trainer_parallelism(trainer)
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     fsdp2 = trainer.is_fsdp_enabled and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
-    _check_reduce_schedule(trainer.args, fsdp2)
+    # A model FSDP2-sharded at load time (`DistributedConfig`) takes the same schedules as Accelerate's plugin.
+    _check_reduce_schedule(
+        trainer.args, fsdp2 or (sharded_at_load_time(trainer) and bool(fsdp2_modules(trainer.model)))
+    )
+    if trainer_shards_gradients(trainer):
+        _refuse_what_sharding_cannot_run(trainer)
     if not trainer.is_fsdp_enabled or plugin is None:
         if getattr(trainer.args, "fsdp", None):
             logger.warning(
@@ -72,20 +79,26 @@ def check_trainer_engine(trainer: Any) -> None:
             "`fsdp_config={'version': 2}` in the arguments); FSDP1 (`FullyShardedDataParallel`) accumulates and "
             "reduces flat-parameter gradients inside its own engine, past the accumulator."
         )
+    _reduce_in_fp32(plugin)
+
+
+def _refuse_what_sharding_cannot_run(trainer: Any) -> None:
+    """FSDP2, HSDP and tensor parallelism (`DTensor` parameters, however they were sharded): refuse the split-
+    invariance check and the multi-process out-of-memory retry."""
     if gradaccum_option(trainer.args, "verify_accumulation") != "off":
         raise ValueError(
-            "`verify_accumulation` is not supported under FSDP2 (the check differentiates a second copy of the "
-            "parameters, which FSDP2 shards). Set `verify_accumulation='off'` and check the model once on one process "
-            "with `hf-gradaccum verify` or `verify_split_invariance`."
+            "`verify_accumulation` is not supported under FSDP2 or tensor parallelism (the check differentiates a "
+            "second copy of the parameters, which they shard). Set `verify_accumulation='off'` and check the model "
+            "once on one process with `hf-gradaccum verify` or `verify_split_invariance`."
         )
     if trainer.args.auto_find_batch_size and trainer.args.world_size > 1:
         raise ValueError(
-            "`auto_find_batch_size=True` is not supported under FSDP2 with more than one process: the out-of-memory "
-            "retry redoes a window on the rank that ran out of memory alone, but every FSDP2 forward and backward is "
-            "a collective, so the ranks would fall out of step. Set `auto_find_batch_size=False` and choose "
-            "`per_device_train_batch_size` (hf_gradaccum.plan_micro_batches helps), or use DDP."
+            "`auto_find_batch_size=True` is not supported under FSDP2 (or tensor parallelism) with more than one "
+            "process: the out-of-memory retry redoes a window on the rank that ran out of memory alone, but every "
+            "sharded forward and backward is a collective, so the ranks would fall out of step. Set "
+            "`auto_find_batch_size=False` and choose `per_device_train_batch_size` (hf_gradaccum.plan_micro_batches "
+            "helps), or use DDP."
         )
-    _reduce_in_fp32(plugin)
 
 
 def _check_reduce_schedule(args: Any, fsdp2: bool) -> None:

@@ -67,6 +67,7 @@ from .deepspeed import DeepSpeedWindow, deepspeed_enabled
 from .effective_batch import EffectiveBatchCallback
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
+from .parallelism import data_parallel_group
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
@@ -231,6 +232,7 @@ class GradAccumTrainer(Trainer):
             max_recompute_attempts=gradaccum_option(self.args, "max_recompute_attempts"),
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
             offload_accumulation_buffer=gradaccum_option(self.args, "offload_accumulation_buffer"),
+            data_parallel_group=data_parallel_group(self),
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:

@@ -34,6 +34,7 @@ from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
+from .tensor_parallel import data_parallel_reduction
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -78,6 +79,10 @@ class GradientAccumulator:
             (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
             window's last micro-batch (one reduce-scatter per window, one unsharded gradient per rank in between).
             See `engine/fsdp2/schedule.py` for what it refuses and why.
+        data_parallel_group (`torch.distributed.ProcessGroup`, *optional*):
+            Under tensor parallelism, the process group of the ranks that see different batches (e.g.
+            `device_mesh["dp"].get_group()`): the window's items and replicated gradients are summed over it alone.
+            Not needed when the tensor-parallel dimension spans every rank. `None` (the default): every rank.
         offload_accumulation_buffer (`bool`, *optional*, defaults to `False`):
             Keep the accumulation buffer in pinned host memory instead of on the GPU: each gradient is copied out as
             autograd produces it (on a side stream) and folded on the host, so the GPU holds about one parameter's
@@ -121,6 +126,7 @@ class GradientAccumulator:
         reduce_gradients: bool | None = None,
         fsdp_reduce_schedule: str = "every_micro_batch",
         offload_accumulation_buffer: bool = False,
+        data_parallel_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
@@ -158,6 +164,10 @@ class GradientAccumulator:
             model, self.parameters, self.accumulation_dtype, reduce_gradients, offload=offload_accumulation_buffer
         )
         self.sharded = self.buffers.sharded
+        # Tensor parallelism: a tensor-parallel group shares its batch, so the window is summed over the ranks that
+        # see different batches only (`tensor_parallel.py`).
+        self._data_parallel_group = data_parallel_group
+        self._reduce_gradients = data_parallel_reduction(self.parameters, reduce_gradients, data_parallel_group)
         # `None` unless FSDP2's gradient sync is scheduled (`fsdp_reduce_schedule="once_per_window"`).
         self.fsdp_schedule = make_fsdp_reduce_schedule(
             fsdp_reduce_schedule,
@@ -534,7 +544,7 @@ class GradientAccumulator:
                     "(or `accumulate_micro_batch`) instead of `loss.backward()`."
                 )
 
-        world, rank = world_size_and_rank(self._reduce_gradients)
+        world, rank = world_size_and_rank(self._reduce_gradients, self._data_parallel_group)
         reduced, collectives = reduce_window(
             window,
             self.buffers,
@@ -542,6 +552,7 @@ class GradientAccumulator:
             world,
             rank,
             reduce_buffers=self.buffers.reduced_at_window_end,
+            group=self._data_parallel_group,
         )
         if world > 1:
             self.num_gradient_reductions += 1

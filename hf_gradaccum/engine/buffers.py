@@ -125,10 +125,11 @@ class FlatGradientBuffers:
     def all_finite(self) -> bool:
         return all(all_finite(b) for b in self.flat.values())
 
-    def all_reduce_(self) -> int:
-        """Sum the buffers over the default process group's ranks; returns the number of collectives."""
+    def all_reduce_(self, group: torch.distributed.ProcessGroup | None = None) -> int:
+        """Sum the buffers over `group`'s ranks (the default process group's when `None`); returns the number of
+        collectives."""
         for buffer in self.flat.values():
-            torch.distributed.all_reduce(buffer)
+            torch.distributed.all_reduce(buffer, group=group)
         return len(self.flat)
 
     def all_finite_on_every_rank(self) -> bool:

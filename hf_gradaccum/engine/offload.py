@@ -207,20 +207,20 @@ class OffloadedGradientBuffers(FlatGradientBuffers):
         self.synchronize()
         return super().all_finite()
 
-    def all_reduce_(self) -> int:
-        """Sum the host buffers over ranks: directly where the group reduces host memory (gloo), else through the
+    def all_reduce_(self, group: torch.distributed.ProcessGroup | None = None) -> int:
+        """Sum the host buffers over `group`'s ranks: directly where the group reduces host memory (gloo), else through the
         GPU in chunks of [`ALL_REDUCE_CHUNK_NUMEL`] elements. Returns the number of collectives."""
         self.synchronize()
         on_host = self.reduce_on_host if self.reduce_on_host is not None else group_reduces_host_memory()
         if on_host:
-            return super().all_reduce_()
+            return super().all_reduce_(group)
         collectives = 0
         for device, buffer in self.flat.items():
             step = self.all_reduce_chunk_numel
             for start in range(0, buffer.numel(), step):
                 host = buffer[start : start + step]
                 chunk = host.to(device, non_blocking=True)
-                torch.distributed.all_reduce(chunk)
+                torch.distributed.all_reduce(chunk, group=group)
                 host.copy_(chunk)
                 collectives += 1
         return collectives

@@ -16,14 +16,17 @@ from .buffers import FlatGradientBuffers
 from .window import WindowState
 
 
-def world_size_and_rank(reduce_gradients: bool | None) -> tuple[int, int]:
-    """`(world_size, rank)` of the default process group, or `(1, 0)` when not reducing across ranks."""
+def world_size_and_rank(
+    reduce_gradients: bool | None, group: torch.distributed.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """`(size, rank)` in `group` (the default process group when `None`: every rank), or `(1, 0)` when not reducing
+    across ranks."""
     dist = torch.distributed
     if reduce_gradients is None:
-        reduce_gradients = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        reduce_gradients = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if not reduce_gradients:
         return 1, 0
-    return dist.get_world_size(), dist.get_rank()
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 @dataclass
@@ -46,11 +49,14 @@ def reduce_window(
     rank: int,
     *,
     reduce_buffers: bool = True,
+    group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[ReducedWindow, int]:
     """
-    Sum the gradient buffers and the window's statistics over ranks (a no-op for one rank). Returns the reduced
-    statistics and the number of collectives launched. `reduce_buffers=False` sums only the statistics: FSDP2's
-    sharded buffers were already reduce-scattered at every micro-batch.
+    Sum the gradient buffers and the window's statistics over the ranks of `group` (every rank when `None`; under
+    tensor parallelism the data-parallel group, see `tensor_parallel.py`), a no-op for one rank. `world_size` and
+    `rank` are those within `group`. Returns the reduced statistics and the number of collectives launched.
+    `reduce_buffers=False` sums only the statistics: FSDP2's sharded buffers were already reduce-scattered at every
+    micro-batch.
     """
     scales = [0.0] * world_size
     scales[rank] = scale
@@ -61,8 +67,8 @@ def reduce_window(
     collectives = 0
     if world_size > 1:
         if reduce_buffers:
-            collectives = buffers.all_reduce_()
-        torch.distributed.all_reduce(stats)
+            collectives = buffers.all_reduce_(group)
+        torch.distributed.all_reduce(stats, group=group)
         collectives += 1
     values = stats.tolist()
     reduced = ReducedWindow(

@@ -97,7 +97,14 @@ class ShardedGradientBuffers(FlatGradientBuffers):
         super().__init__(local, dtype)
 
     def fold(self, index: int, grad: torch.Tensor, alpha: float) -> None:
-        super().fold(index, grad.to_local() if is_dtensor(grad) else grad, alpha)
+        if is_dtensor(grad):
+            param = self._params[index]
+            if tuple(grad.placements) != tuple(param.placements):
+                # Tensor parallelism can hand back a gradient laid out otherwise than its parameter (a vocabulary-
+                # sharded embedding gets a replicated one): the buffer holds this rank's shard of the parameter.
+                grad = grad.redistribute(param.device_mesh, param.placements)
+            grad = grad.to_local()
+        super().fold(index, grad, alpha)
 
     def gradient_for(self, index: int, param_dtype: torch.dtype) -> torch.Tensor:
         return self._as_parameter_layout(index, super().gradient_for(index, param_dtype))
@@ -172,9 +179,12 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
     """
     DeepSpeed and FSDP1 (`FullyShardedDataParallel`) accumulate and reduce gradients themselves, so the buffers
     cannot sit between backward and the optimizer: refuse them with an error that says what to use, instead of
-    training wrong (`GradAccumTrainer` under DeepSpeed weights the loss instead and installs no buffers). FSDP2 (`fully_shard`) is supported (sharded buffers); DTensor parameters without FSDP2 (tensor
-    parallelism) are refused.
+    training wrong (`GradAccumTrainer` under DeepSpeed weights the loss instead and installs no buffers). FSDP2
+    (`fully_shard`) is supported (sharded buffers), and so is tensor parallelism (`DTensor` parameters on a mesh
+    dimension named `tp`, `engine/tensor_parallel.py`); other `DTensor` parameters without FSDP2 are refused.
     """
+    from ..tensor_parallel import is_tensor_parallel  # imports this module
+
     if not isinstance(model, nn.Module):
         if any(is_dtensor(p) for p in model):
             raise ValueError(
@@ -187,8 +197,8 @@ def refuse_sharded_engines(model: nn.Module | Iterable[nn.Parameter]) -> None:
         engine = "FSDP1 (FullyShardedDataParallel)"
     elif type(model).__name__ == "DeepSpeedEngine":
         engine = "DeepSpeed"
-    elif any(is_dtensor(p) for p in model.parameters()) and not prepare_fsdp2_for_summing(model):
-        engine = "tensor parallelism (DTensor parameters without FSDP2)"
+    elif any(is_dtensor(p) and not is_tensor_parallel(p) for p in model.parameters()) and not fsdp2_modules(model):
+        engine = "DTensor parameters laid out by neither FSDP2 nor tensor parallelism (a mesh dimension named 'tp')"
     if engine is not None:
         deepspeed = (
             " Under DeepSpeed, use `GradAccumTrainer`: it weights each micro-batch's loss before DeepSpeed's own "
@@ -230,7 +240,8 @@ def gradient_buffers_for(
 ) -> FlatGradientBuffers:
     """
     The accumulation buffers `parameters` need: [`ShardedGradientBuffers`] when they are FSDP2's `DTensor`s (after
-    making FSDP2's reduce-scatter sum and refusing what it could not reduce), else replicated
+    making FSDP2's reduce-scatter sum and refusing what it could not reduce), [`TensorParallelGradientBuffers`] for
+    tensor-parallel `DTensor`s without FSDP2, else replicated
     [`FlatGradientBuffers`] (in host memory with `offload=True`: [`OffloadedGradientBuffers`]). Everything that differs between the two lives behind the buffers' interface
     (`weighting`, `agree`, `all_finite_on_every_rank`, `reduced_at_window_end`, `backward_without_items`).
 
@@ -254,6 +265,11 @@ def gradient_buffers_for(
         )
     # `refuse_sharded_engines` already refused DTensor parameters passed without their module.
     fsdp_modules = prepare_fsdp2_for_summing(model)
+    if not fsdp_modules:
+        from ..tensor_parallel import TensorParallelGradientBuffers  # imports this module
+
+        # Tensor parallelism alone (`refuse_sharded_engines` refused any other DTensor layout without FSDP2).
+        return TensorParallelGradientBuffers(parameters, dtype)
     refuse_unsharded_trainable_parameters(model, parameters)
     if reduce_gradients is False:
         raise ValueError(
