@@ -94,7 +94,8 @@ def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
     loss = getattr(trainer.args, "loss_type", None) or "its compute_loss"
     return CompositionError(
         f"GradAccumTrainer does not know how {trainer_name} (loss: {loss!r}) accumulates, and cannot check it: its "
-        f"{' and '.join(f'`{m}`' for m in rebuilt)} rebuild the micro-batch (generation, slicing or collation) "
+        f"{' and '.join(f'`{m}`' for m in rebuilt)} {'rebuilds' if len(rebuilt) == 1 else 'rebuild'} the "
+        "micro-batch (generation, slicing or collation) "
         "before the loss, so a split of the prefetched window is not what trains. Stopped before any work.\nFix: "
         "`gradient_accumulation_steps=1` with the batch you want, or `register_composition` with what this loss "
         "divides by (hf_gradaccum/adapters/compositions.py): the items are then counted on the inputs that reach "
