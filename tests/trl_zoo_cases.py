@@ -293,9 +293,12 @@ CASES: list[ZooCase] = [
 
 
 def _grpo_model() -> torch.nn.Module:
+    """The GRPO tests' tiny Llama, whose sampled completions stop after 1 to 10 tokens (uneven micro-batches)."""
     from tests.grpo_cases import grpo_model
 
-    return grpo_model()
+    model = grpo_model()
+    model.config._name_or_path = _tokenizer_dir()
+    return model
 
 
 def rl_build() -> dict[str, Any]:
@@ -329,7 +332,7 @@ def privileged_build() -> dict[str, Any]:
     rng = random.Random(9)
     rows = prompt_dataset().to_dict()
     rows["privileged_context"] = [_sentence(rng, 1, 4) for _ in rows["prompt"]]
-    return dict(model=student(), train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer())
+    return dict(model=_grpo_model(), train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer())
 
 
 def sdpo_build() -> dict[str, Any]:
@@ -422,7 +425,6 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.sdft:SDFTTrainer",
-        expect="refused",
         config=f"{_X}.sdft:SDFTConfig",
         variant="default",
         settings={"max_completion_length": 6, "num_generations": 2, "distillation_topk": 8},

@@ -222,7 +222,7 @@ def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
         loss = getattr(trainer, "loss", None)
         losses = list(loss.values()) if isinstance(loss, dict) else [loss]
         return [type(item).__name__ for item in losses if item is not None]
-    if trainer_name in ("RLOOTrainer", "GMPOTrainer", "DistillationTrainer", "GKDTrainer"):
+    if trainer_name in ("RLOOTrainer", "GMPOTrainer", "DistillationTrainer", "SDFTTrainer", "GKDTrainer"):
         return ["*"]
     loss_types = getattr(trainer.args, "loss_type", None)
     if isinstance(loss_types, str):

@@ -16,6 +16,7 @@ about to see, how many items its loss is a mean over, and presents it to TRL's l
 | RLOO | mean over sequences | sequences |
 | GMPO (`trl.experimental`, any `loss_type`) | mean over sequences of the geometric-mean term | sequences |
 | Distillation | token sum / the generation batch's tokens per rank (presented as the micro-batch's own) | completion tokens |
+| SDFT (`trl.experimental`, local teacher) | mean over sequences of each sequence's token mean | sequences |
 
 Weighting micro-batch k by its items `n_k` and dividing by the window's items (all ranks) gives the mean over all
 of the window's sequences (or tokens): the loss of one batch of `per_device_train_batch_size x
@@ -99,9 +100,12 @@ LOSS_ITEMS: dict[tuple[str, str | None], LossItems] = {
     # Token sum over the generated completions / `inputs["num_items_in_batch"] / num_processes`, the whole
     # generation batch's tokens (one generation per window).
     ("DistillationTrainer", None): LossItems(COMPLETION_TOKENS, rescales_num_items=True, per_generation_step=False),
+    # SDFT (local teacher): mean over sequences of each sequence's token mean of the self-distillation divergence,
+    # divided by `current_gradient_accumulation_steps`.
+    ("SDFTTrainer", None): LossItems(SEQUENCES),
 }
 
-GENERATION_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "GMPOTrainer", "DistillationTrainer")
+GENERATION_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "GMPOTrainer", "DistillationTrainer", "SDFTTrainer")
 
 
 class GenerationBatchAccumulation:
@@ -246,6 +250,15 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
         )
     if args.gradient_accumulation_steps == 1:
         return GenerationBatchAccumulation(name, loss_type, loss_items)
+    if getattr(trainer, "use_teacher_server", False):
+        raise _refuse(
+            name,
+            loss_type,
+            "with `use_teacher_server=True` its loss is computed from a teacher server's log-probabilities, a "
+            "different loss than the one GradAccumTrainer's table describes",
+            "Use a local teacher (`use_teacher_server=False`), or `gradient_accumulation_steps=1` with the batch you "
+            "want.",
+        )
     if getattr(trainer, "aux_loss_enabled", False):
         raise _refuse(
             name,
