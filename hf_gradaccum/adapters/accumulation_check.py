@@ -91,6 +91,11 @@ def check_trainer_window(
         )
     except (ValueError, TypeError) as e:  # a window that cannot be split: report, do not stop training
         error = e
+    except Exception as e:
+        # An unknown composition stops on whatever the check met (named, with the fix), never a stray traceback.
+        if refuse is None:
+            raise
+        error = RuntimeError(f"{type(e).__name__}: {e}")
     # [max relative difference, verdict code, any rank could not check]: MAX over ranks, so all ranks agree on the
     # verdict: one rank's "not exact" outweighs another's "cannot decide", which outweighs "exact".
     local_diff = result.max_rel_diff if result is not None else 0.0

@@ -23,13 +23,10 @@ before the first optimizer step, naming the trainer, its loss and the fix, unles
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import Trainer
-
+from .composed_class import library_trainer
 from .trl_grpo import LOSS_ITEMS
 
 __all__ = [
@@ -166,6 +163,19 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         "completions, with the KL baseline over the window's mismatched pairs (rotated within the window on all "
         "ranks, one forward-only pass; adapters/trl_kto.py)",
     ),
+    ("GKDTrainer", "*"): Accumulation(
+        "items",
+        "label tokens of the batch the loop hands over, before any on-policy or `seq_kd` generation: stock GKD divides "
+        "the divergence over the generated tokens by that count (`num_items_in_batch`), which is handed to it as the "
+        "micro-batch's own",
+    ),
+    ("TPOTrainer", "*"): Accumulation("items", "triples of one prompt (chosen, rejected and reference rows)"),
+    ("TPOTrainer", "tpo_alpha"): Accumulation(
+        "refused",
+        "`tpo_alpha != 0` adds an NLL term that is a token mean over the micro-batch's reference completions, while "
+        "the preference term is a mean over its triples, so the two terms need different micro-batch weights",
+        f"Set `tpo_alpha=0`, or use {_GA1}.",
+    ),
     ("BCOTrainer", "*"): Accumulation(
         "refused",
         "its reward baseline (`delta`) is a running mean updated with each batch's rewards just before that batch's "
@@ -212,18 +222,23 @@ def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
         loss = getattr(trainer, "loss", None)
         losses = list(loss.values()) if isinstance(loss, dict) else [loss]
         return [type(item).__name__ for item in losses if item is not None]
-    if trainer_name in ("RLOOTrainer",):
+    if trainer_name in ("RLOOTrainer", "GMPOTrainer", "DistillationTrainer", "SDFTTrainer", "GKDTrainer"):
         return ["*"]
     loss_types = getattr(trainer.args, "loss_type", None)
     if isinstance(loss_types, str):
-        return [loss_types]
-    return [str(t) for t in loss_types] if loss_types else ["*"]
+        keys = [loss_types]
+    else:
+        keys = [str(t) for t in loss_types] if loss_types else ["*"]
+    if trainer_name == "TPOTrainer" and getattr(trainer.args, "tpo_alpha", 0.0) != 0.0:
+        keys.append("tpo_alpha")
+    return keys
 
 
 def composition_entry(trainer: Any) -> tuple[str, list[tuple[str, Accumulation]]] | None:
     """
-    The registry's rows for `trainer`: `(trainer class name, [(loss, Accumulation), ...])` for the nearest class in
-    its MRO with an entry, or `None` when no class has one.
+    The registry's rows for `trainer`: `(trainer class name, [(loss, Accumulation), ...])` for the nearest library
+    class in its MRO ([`library_trainer`]: a subclass that changes the loss is a trainer of its own), or `None` when
+    that class has no entry.
 
     Example:
 
@@ -233,18 +248,16 @@ def composition_entry(trainer: Any) -> tuple[str, list[tuple[str, Accumulation]]
     ('DPOTrainer', [('sigmoid', Accumulation(how='items', what='pairs (every per-pair loss type)', fix=None))])
     ```
     """
-    known = {name for name, _ in REGISTRY}
-    for cls in type(trainer).__mro__:
-        if cls.__name__ not in known or cls.__module__.startswith("hf_gradaccum"):
-            continue
-        name = cls.__name__
-        rows = []
-        for loss in _loss_keys(trainer, name):
-            entry = REGISTRY.get((name, loss)) or REGISTRY.get((name, "*"))
-            if entry is not None:
-                rows.append((loss, entry))
-        return name, rows
-    return None
+    cls = library_trainer(trainer)
+    if cls is None or cls.__name__ not in {name for name, _ in REGISTRY}:
+        return None
+    name = cls.__name__
+    rows = []
+    for loss in _loss_keys(trainer, name):
+        entry = REGISTRY.get((name, loss)) or REGISTRY.get((name, "*"))
+        if entry is not None:
+            rows.append((loss, entry))
+    return name, rows
 
 
 def refuse_unaccumulable_losses(trainer: Any) -> None:
@@ -273,16 +286,12 @@ def refuse_unaccumulable_losses(trainer: Any) -> None:
         )
 
 
-@functools.cache
-def _installed_top_level_modules() -> frozenset[str]:
-    return frozenset(importlib.metadata.packages_distributions())
-
-
 def unknown_composed_trainer(trainer: Any) -> str | None:
     """
     The name of the `Trainer` subclass from another installed package (not transformers, not this one) that
     `trainer` composes with, when the registry has no row for it; `None` when the nearest such class in the MRO is
-    known, or there is none. The user's own subclasses (code not installed as a package) are the user's loss, not a
+    known, or there is none. Only the nearest counts: a subclass of a known trainer that is not itself in the registry
+    (it may change the loss) is unknown. The user's own subclasses (code not installed as a package) are the user's loss, not a
     composition, and are looked through.
 
     Example:
@@ -294,17 +303,10 @@ def unknown_composed_trainer(trainer: Any) -> str | None:
     True
     ```
     """
-    known = {name for name, _ in REGISTRY}
-    for cls in type(trainer).__mro__:
-        root = cls.__module__.split(".")[0]
-        if root == "hf_gradaccum" or not issubclass(cls, Trainer):
-            continue
-        if cls.__name__ in known:
-            return None
-        # (The installed-package map is read only here, once per process: a plain Trainer never needs it.)
-        if root != "transformers" and root in _installed_top_level_modules():
-            return cls.__name__
-    return None
+    cls = library_trainer(trainer)
+    if cls is None or cls.__module__.split(".")[0] == "transformers":
+        return None
+    return None if cls.__name__ in {name for name, _ in REGISTRY} else cls.__name__
 
 
 def composition_table() -> str:

@@ -65,6 +65,13 @@ from .compositions import CompositionError, refuse_unaccumulable_losses, unknown
 from .coupled import CoupledWindowMode
 from .deepspeed import DeepSpeedWindow, deepspeed_enabled
 from .effective_batch import EffectiveBatchCallback
+from .loss_counting import (
+    WindowLossLog,
+    counting_at_the_loss,
+    divides_by_handed_count,
+    hands_batch_to_loss_unchanged,
+    refuse_rebuilt_micro_batches,
+)
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
 from .parallelism import data_parallel_group
@@ -121,8 +128,6 @@ class GradAccumTrainer(Trainer):
     moe_mode: MoEWindowMode | None = None
     # Set while one micro-batch runs: where the installed scaler hands the loss (`_parent_training_step`).
     _hand_over: Callable[[torch.Tensor], torch.Tensor] | None = None
-    _count_generation_micro_batch: Callable[[float], None] | None = None
-    _replayed_micro_batch: dict[str, Any] | None = None
     # Under DeepSpeed: the weight of each micro-batch's loss handed to its engine (`adapters/deepspeed.py`).
     _deepspeed_window: DeepSpeedWindow | None = None
 
@@ -159,14 +164,30 @@ class GradAccumTrainer(Trainer):
         self._unknown_composition: str | None = None
         if self.args.gradient_accumulation_steps > 1 and gradaccum_option(self.args, "check_unknown_compositions"):
             self._unknown_composition = unknown_composed_trainer(self)
-        # TRL's online RL trainers (GRPO, RLOO) hand over prompts and generate inside `_prepare_inputs`: their items
-        # are counted on the micro-batch their loss sees, per loss type (`adapters/trl_grpo.py`).
+        # Items are counted on the inputs that reach `compute_loss` (`adapters/loss_counting.py`); the count made at
+        # prefetch time is reused only where the parents hand the loss that very batch.
+        self._count_at_prefetch = hands_batch_to_loss_unchanged(self)
+        # A loss that divides by the `num_items_in_batch` it is handed (GKD): the count of the batch handed over.
+        self._handed_count = divides_by_handed_count(self)
+        if self._unknown_composition and not self._count_at_prefetch:
+            # The first-window check splits the prefetched batch; these parents rebuild it before their loss.
+            raise refuse_rebuilt_micro_batches(self, self._unknown_composition)
+        # TRL's online RL and distillation trainers (GRPO, RLOO, GMPO, Distillation) generate inside `_prepare_inputs`:
+        # their loss is counted per loss type on the micro-batch it receives (`adapters/trl_grpo.py`).
         self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
         # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
         self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
         # DeepSpeed keeps the gradients itself: the window is made exact through the loss handed to its engine.
         self._deepspeed_window = DeepSpeedWindow(self) if deepspeed_enabled(self) else None
+        if self._deepspeed_window is not None and (not self._count_at_prefetch or self._handed_count):
+            # DeepSpeed back-propagates a loss already weighted by its items: the count must exist before the loss.
+            raise CompositionError(
+                f"{type(self).__name__} under DeepSpeed: its parent classes rebuild the micro-batch before the loss "
+                "(generation, slicing or collation) or divide by the count they are handed, so its items are known "
+                "only at the loss, after the weight DeepSpeed's engine needs. Stopped before any work. Fix: DDP or "
+                "FSDP2 (the accumulator counts at the loss there), or `gradient_accumulation_steps=1`."
+            )
         # The model computes its own mean over its items, which the accumulator weights: `num_items_in_batch` must
         # not reach `forward` (most heads ignore it, some would divide by it), and the parent's `training_step` must
         # not divide the loss by the accumulation steps. `loss_is_scaled_for_ga` is the attribute transformers
@@ -182,10 +203,11 @@ class GradAccumTrainer(Trainer):
         self._window_batches: list[dict[str, Any]] = []
         self._window_counts: dict[int, tuple[dict[str, Any], int]] = {}
         self._micro_index = 0
-        # While the parent's training_step runs one micro-batch: for a generation batch (GRPO/RLOO), the items and the
-        # micro-batch its loss saw, counted in `compute_loss_context_manager`.
+        self._window_log = WindowLossLog()
+        # While the parent's training_step runs one micro-batch (the KTO baseline is substituted then).
         self._in_micro_step = False
-        self._pending_micro_batch: tuple[float, Any] | None = None
+        # The inputs the loss saw in the micro-step running now (an fp16 recompute replays them).
+        self._seen_inputs: list[Any] = []
         self._resume_state_path: str | None = None
         self._training = False  # inside `train()`
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
@@ -327,8 +349,8 @@ class GradAccumTrainer(Trainer):
         self._micro_index = 0
         self._window_items_local = None
         self._window_counts = {}
-        if self._generation_accumulation is None:
-            # (Generation batches are prompts: their items are known only once the completions exist.)
+        if self._count_at_prefetch or self._handed_count:
+            # (Elsewhere the loss sees another batch than the one prefetched: it is counted there, not here.)
             try:
                 counts = [self.count_micro_batch_items(b) for b in batch_samples]
             except (ValueError, TypeError, AttributeError):
@@ -337,6 +359,7 @@ class GradAccumTrainer(Trainer):
                 self._window_items_local = float(sum(counts))
                 # Reused at each micro-step: counting again there would read the device once per micro-batch.
                 self._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
+        self._window_log.start(self._window_items_local if self._count_at_prefetch else None)
         if self._deepspeed_window is not None:
             self._deepspeed_window.window_prefetched(self._window_items_local)  # all ranks' items: one all-reduce
         if batch_samples and self._kto_baseline is not None:
@@ -421,6 +444,7 @@ class GradAccumTrainer(Trainer):
                 # Called outside the Trainer's loop: a window of its own.
                 self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
                 self._window_counts = {}
+                self._window_log.start(None)
         micro_index = self._micro_index
         self._micro_index += 1
 
@@ -434,19 +458,26 @@ class GradAccumTrainer(Trainer):
 
         # Outside `train()` each call is a window of its own: Accelerate's `sync_gradients` is process-wide state that
         # an interrupted `train()` can leave False.
-        if self.accelerator.sync_gradients or not self._training:
+        last = self.accelerator.sync_gradients or not self._training
+        if last:
             self.on_window_end(accumulator.finish_window())
 
-        if self._window_items_local:
-            return loss * (num_items / self._window_items_local)
-        return loss / getattr(self, "current_gradient_accumulation_steps", 1)
+        if not self._training:
+            if self._window_items_local:
+                return loss * (num_items / self._window_items_local)
+            return loss / getattr(self, "current_gradient_accumulation_steps", 1)
+        cached = self._window_counts.get(id(inputs))
+        prefetched = cached[1] if cached is not None and cached[0] is inputs else None
+        steps = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
+        return self._window_log.share(loss, num_items, prefetched, last=last, steps=steps)
 
     def _accumulate(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any]):
         """Forward + weighted backward of one micro-batch (in chunks after an OOM). Returns (mean loss, items)."""
         loss_sum, total_items = None, 0
         for chunk in self.oom_retry.chunks(inputs):
-            # A generation batch's items are counted once its completions exist, just before its loss.
-            counted = None if self._generation_accumulation is not None else self._micro_batch_items(chunk)
+            # The count made at prefetch time where the loss sees that very batch (else it is counted at the loss),
+            # and for a loss that divides by what it is handed, the count of the batch handed over.
+            counted = self._micro_batch_items(chunk) if self._count_at_prefetch or self._handed_count else None
             loss, num_items = self._parent_training_step(model, accumulator, chunk, counted)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
@@ -463,9 +494,10 @@ class GradAccumTrainer(Trainer):
         `end_micro_batch`: its hooks fold the gradients of that backward, weighted by the micro-batch's items.
         Where the loss itself must change first (fp16 loss scaling; FSDP2, whose reduce-scatter sums the ranks'
         gradients before the fold), Accelerate hands it to the scaler this class installs, which asks the
-        accumulator. After an fp16 overflow only this micro-batch's `compute_loss` and backward run again. Returns
-        the micro-batch's detached mean loss and its items (`num_items`, or for a generation batch, counted just
-        before its loss).
+        accumulator. After an fp16 overflow only this micro-batch's `compute_loss` and backward run again. The items
+        are counted on the inputs that reach `compute_loss` (`adapters/loss_counting.py`): `num_items` is the count
+        made at prefetch time, used where the loss provably sees that batch. Returns the micro-batch's detached mean
+        loss and its items.
 
         The parent's `compute_loss` returns the micro-batch's own mean loss, which the accumulator weights by its
         share of the window's items: it gets no `num_items_in_batch` (so the model, a label smoother and TRL's
@@ -485,12 +517,23 @@ class GradAccumTrainer(Trainer):
             handed_over[0] += 1
             return accumulator.loss_to_backward(loss)
 
-        # Set by `compute_loss_context_manager` for a generation batch: (items, the micro-batch its loss saw).
-        self._pending_micro_batch = None
-        self._count_generation_micro_batch = begin
+        rule = self._generation_accumulation
+
+        def present(loss_inputs: Any) -> tuple[float, Callable[[], None]]:
+            if rule is not None:
+                return rule.present(self, loss_inputs)
+            if num_items is not None:
+                return num_items, lambda: None
+            if counted:  # recomputed after an fp16 overflow: the same inputs, already counted
+                return counted[0], lambda: None
+            return self.count_micro_batch_items(loss_inputs), lambda: None
+
+        def items_for_loss(items: float) -> torch.Tensor | None:
+            return parent_items if self._handed_count else self._num_items_for_parent(items)
+
+        if self._handed_count:
+            parent_items = self._num_items_for_parent(num_items, handed=True)
         self._hand_over = hand_over
-        if num_items is not None:
-            begin(num_items)
         # transformers < 5.19 only: its `training_step` divides by this value unless a `compute_loss_func` is set.
         steps = getattr(self, "current_gradient_accumulation_steps", None)
         if self._present_one_step:
@@ -500,15 +543,16 @@ class GradAccumTrainer(Trainer):
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
             self._in_micro_step = True
-            with accumulator.accumulate(model):
+            with accumulator.accumulate(model), counting_at_the_loss(self, present, begin, items_for_loss) as seen:
+                self._seen_inputs = seen
                 loss = super().training_step(model, inputs, parent_items)
                 self._check_micro_batch_ran(accumulator, counted, handed_over[0])
                 while accumulator.end_micro_batch(loss):
                     loss = self._recompute_micro_batch(model, inputs, parent_items)
         finally:
             self._in_micro_step = False
-            self._count_generation_micro_batch = self._hand_over = None
-            self._pending_micro_batch = None
+            self._hand_over = None
+            self._seen_inputs = []
             if self._present_one_step:
                 if steps is None:
                     del self.current_gradient_accumulation_steps
@@ -516,15 +560,16 @@ class GradAccumTrainer(Trainer):
                     self.current_gradient_accumulation_steps = steps
         return loss, counted[0]
 
-    def _num_items_for_parent(self, num_items: float | None) -> torch.Tensor | None:
+    def _num_items_for_parent(self, num_items: float | None, handed: bool = False) -> torch.Tensor | None:
         """
         `num_items_in_batch` for the parent's `training_step`: `None`, so that each loss is its micro-batch's own
-        mean. A `compute_loss_func` divides by what it is given, so it gets the micro-batch's own count; with
-        `average_tokens_across_devices` on, the Trainer multiplies the loss by the number of processes (it takes the
-        count to span every rank, as its own does), so the count is handed over as every rank's.
+        mean. A `compute_loss_func` (or, with `handed=True`, a trainer's loss that divides by the count it is handed)
+        divides by what it is given, so it gets the micro-batch's own count; with `average_tokens_across_devices` on,
+        the Trainer multiplies the loss by the number of processes (it takes the count to span every rank, as its own
+        does), so the count is handed over as every rank's.
         """
         # TRL (transformers < 5.19) stores a non-callable marker here to switch the Trainer's division off.
-        if num_items is None or not callable(self.compute_loss_func):
+        if num_items is None or not (handed or callable(self.compute_loss_func)):
             return None
         ranks = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
         return torch.tensor(num_items * ranks, device=self.args.device)
@@ -534,8 +579,8 @@ class GradAccumTrainer(Trainer):
         `Trainer.training_step` does: the weighting would silently be wrong."""
         if not counted:
             raise RuntimeError(
-                f"{type(self).__name__}: the loss was computed outside `compute_loss_context_manager`, so "
-                "GradAccumTrainer could not count the items of this generation batch's micro-batch."
+                f"{type(self).__name__}: the parent classes' `training_step` returned without calling `compute_loss`, "
+                "so GradAccumTrainer could not count the items of the micro-batch its loss saw."
             )
         micro = accumulator.current_micro_batch
         if handed_over > 1:
@@ -560,14 +605,11 @@ class GradAccumTrainer(Trainer):
         first forward saw (a generation batch's buffered completions, not new ones), through the public
         `compute_loss` and `accelerator.backward`. Returns the detached loss.
         """
-        pending = self._pending_micro_batch
-        again_inputs = self._prepare_inputs(inputs) if pending is None else pending[1]
-        self._replayed_micro_batch = None if pending is None else pending[1]
-        try:
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, again_inputs, num_items_in_batch=items)
-        finally:
-            self._replayed_micro_batch = None
+        # The inputs the first forward's loss saw (a generation batch's buffered completions, not new ones); the
+        # counting `compute_loss` still installed presents them again.
+        again_inputs = self._seen_inputs[0] if self._seen_inputs else self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, again_inputs, num_items_in_batch=items)
         if self.args.n_gpu > 1:
             loss = loss.mean()
         self.accelerator.backward(loss)
@@ -628,19 +670,10 @@ class GradAccumTrainer(Trainer):
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """
-        The parent's context around `compute_loss`. `Trainer.training_step` enters it after `_prepare_inputs`, so for
-        a composed GRPO/RLOO trainer it is where the micro-batch that the loss will see exists (generated and
-        buffered by the parent): its items are counted there, and it is presented as a batch of its own for the
-        length of the loss (`adapters/trl_grpo.py`). For a composed KTOTrainer, the loss uses the window's KL baseline
+        The parent's context around `compute_loss`. For a composed KTOTrainer, the loss uses the window's KL baseline
         instead of the micro-batch's own for its length (`adapters/trl_kto.py`).
         """
         stack = super().compute_loss_context_manager()
-        rule = getattr(self, "_generation_accumulation", None)
-        if rule is not None and getattr(self, "_in_micro_step", False):
-            items, micro_batch, restore = rule.present(self, getattr(self, "_replayed_micro_batch", None))
-            self._pending_micro_batch = (items, micro_batch)
-            self._count_generation_micro_batch(items)
-            stack.callback(restore)
         baseline = getattr(self, "_kto_baseline", None)
         if baseline is not None and getattr(self, "_in_micro_step", False):
             stack.enter_context(baseline.substituted(self))

@@ -14,6 +14,9 @@ about to see, how many items its loss is a mean over, and presents it to TRL's l
 | GRPO `bnpo` | mean over the micro-batch's completion tokens | completion tokens |
 | GRPO `dapo`, `cispo`, `vespo` | token sum / `num_items_in_batch` rescaled to one micro-batch (see below) | completion tokens (see below) |
 | RLOO | mean over sequences | sequences |
+| GMPO (`trl.experimental`, any `loss_type`) | mean over sequences of the geometric-mean term | sequences |
+| Distillation | token sum / the generation batch's tokens per rank (presented as the micro-batch's own) | completion tokens |
+| SDFT (`trl.experimental`, local teacher) | mean over sequences of each sequence's token mean | sequences |
 
 Weighting micro-batch k by its items `n_k` and dividing by the window's items (all ranks) gives the mean over all
 of the window's sequences (or tokens): the loss of one batch of `per_device_train_batch_size x
@@ -56,6 +59,7 @@ from typing import Any
 import torch
 
 from .arguments import gradaccum_option
+from .composed_class import library_trainer_name
 
 SEQUENCES = "sequences"
 COMPLETION_TOKENS = "completion tokens"
@@ -69,10 +73,14 @@ class LossItems:
         items (`str`): `"sequences"` or `"completion tokens"`.
         rescales_num_items (`bool`): the loss divides by `inputs["num_items_in_batch"]` (tokens of the generation
             batch), which has to be presented as the micro-batch's own token count.
+        per_generation_step (`bool`): that divisor is rescaled by TRL per step of the generation batch
+            (`/ num_processes * current_gradient_accumulation_steps / steps_per_generation`, GRPO); `False`: only
+            `/ num_processes` (the distillation trainer).
     """
 
     items: str
     rescales_num_items: bool = False
+    per_generation_step: bool = True
 
 
 # (trainer class name, loss_type) -> what that loss averages over. `None` as loss type: the trainer has one loss.
@@ -86,9 +94,18 @@ LOSS_ITEMS: dict[tuple[str, str | None], LossItems] = {
     ("GRPOTrainer", "cispo"): LossItems(COMPLETION_TOKENS, rescales_num_items=True),
     ("GRPOTrainer", "vespo"): LossItems(COMPLETION_TOKENS, rescales_num_items=True),
     ("RLOOTrainer", None): LossItems(SEQUENCES),
+    # GMPO replaces GRPO's loss (whatever `loss_type` says) by a plain mean over sequences of each sequence's
+    # geometric-mean term.
+    ("GMPOTrainer", None): LossItems(SEQUENCES),
+    # Token sum over the generated completions / `inputs["num_items_in_batch"] / num_processes`, the whole
+    # generation batch's tokens (one generation per window).
+    ("DistillationTrainer", None): LossItems(COMPLETION_TOKENS, rescales_num_items=True, per_generation_step=False),
+    # SDFT (local teacher): mean over sequences of each sequence's token mean of the self-distillation divergence,
+    # divided by `current_gradient_accumulation_steps`.
+    ("SDFTTrainer", None): LossItems(SEQUENCES),
 }
 
-GENERATION_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+GENERATION_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "GMPOTrainer", "DistillationTrainer", "SDFTTrainer")
 
 
 class GenerationBatchAccumulation:
@@ -114,18 +131,6 @@ class GenerationBatchAccumulation:
     def items(self) -> str:
         return self.loss_items.items
 
-    def micro_batch(self, trainer: Any) -> dict[str, Any]:
-        """The buffered micro-batch that the trainer's loss computes on now (between its `_prepare_inputs` and its
-        `compute_loss`; TRL advances `_step` after its `training_step` returns)."""
-        buffered = getattr(trainer, "_buffered_inputs", None)
-        if buffered is None or not hasattr(trainer, "_step"):
-            raise RuntimeError(
-                f"GradAccumTrainer could not find {self.trainer_name}'s buffered micro-batches (`_buffered_inputs`, "
-                "`_step`) to count the items of the loss. This TRL release changed how it buffers generations; "
-                "composition with it is not supported (tested with trl==1.16)."
-            )
-        return buffered[trainer._step % trainer.args.steps_per_generation]
-
     def count(self, micro_batch: dict[str, Any]) -> int:
         """Items of `micro_batch` that its loss averages over (see the module table)."""
         if self.items == SEQUENCES:
@@ -135,20 +140,18 @@ class GenerationBatchAccumulation:
             mask = mask * micro_batch["tool_mask"]
         return int(mask.sum().item())
 
-    def present(
-        self, trainer: Any, micro_batch: dict[str, Any] | None = None
-    ) -> tuple[float, dict[str, Any], Callable[[], None]]:
+    def present(self, trainer: Any, micro_batch: dict[str, Any]) -> tuple[float, Callable[[], None]]:
         """
-        Count the items of the micro-batch the loss is about to see (`micro_batch`, when its loss is computed again
-        after an fp16 overflow) and present it to TRL's loss as a batch of its own: `current_gradient_accumulation_steps`
-        is 1 (TRL's losses scale themselves for accumulation by dividing by it; the accumulator does the weighting),
-        and for losses that divide by the generation batch's `num_items_in_batch`, that count is presented as the
-        module docstring says. Returns the count, the micro-batch and a function that puts both back as TRL left them
-        (the micro-batch is reused when `num_iterations > 1`).
+        Count the items of `micro_batch`, the inputs the loss is about to compute on (after TRL's `_prepare_inputs`
+        generated and buffered it), and present it to TRL's loss as a batch of its own:
+        `current_gradient_accumulation_steps` is 1 (TRL's losses scale themselves for accumulation by dividing by it;
+        the accumulator does the weighting), and for losses that divide by the generation batch's
+        `num_items_in_batch`, that count is presented as the module docstring says. Returns the count and a function
+        that puts both back as TRL left them (the micro-batch is reused when `num_iterations > 1`).
         """
         saved = vars(trainer).get("current_gradient_accumulation_steps")
         trainer.current_gradient_accumulation_steps = 1
-        items, micro_batch, restore_items = self._present_items(trainer, micro_batch)
+        items, restore_items = self._present_items(trainer, micro_batch)
 
         def restore() -> None:
             restore_items()
@@ -157,23 +160,36 @@ class GenerationBatchAccumulation:
             else:
                 trainer.current_gradient_accumulation_steps = saved
 
-        return items, micro_batch, restore
+        return items, restore
 
-    def _present_items(
-        self, trainer: Any, micro_batch: dict[str, Any] | None
-    ) -> tuple[float, dict[str, Any], Callable[[], None]]:
-        micro_batch = self.micro_batch(trainer) if micro_batch is None else micro_batch
+    def _present_items(self, trainer: Any, micro_batch: dict[str, Any]) -> tuple[float, Callable[[], None]]:
+        if not isinstance(micro_batch, dict) or "completion_ids" not in micro_batch:
+            raise RuntimeError(
+                f"GradAccumTrainer expected {self.trainer_name}'s loss to receive a buffered micro-batch of "
+                f"completions, got {type(micro_batch).__name__}; this TRL release changed how it buffers "
+                "generations, and composition with it is not supported (tested with trl==1.16)."
+            )
         if not self.loss_items.rescales_num_items:
-            return self.count(micro_batch), micro_batch, lambda: None
+            return self.count(micro_batch), lambda: None
         original = micro_batch["num_items_in_batch"]
+        n = self.count(micro_batch)
+        if not self.loss_items.per_generation_step:
+            # TRL divides by num_items_in_batch / num_processes: presented so that the divisor is exactly n.
+            micro_batch["num_items_in_batch"] = torch.as_tensor(
+                float(n * trainer.accelerator.num_processes), device=original.device
+            )
+
+            def put_back() -> None:
+                micro_batch["num_items_in_batch"] = original
+
+            return n, put_back
         steps_per_generation = trainer.args.steps_per_generation
         if steps_per_generation != trainer.args.gradient_accumulation_steps:
             # TRL's own large batch divides every step of a generation batch by the same count, the generation
             # batch's tokens per step and rank (with `current_gradient_accumulation_steps` presented as 1, that is
             # TRL's divisor as it stands): the micro-batch's loss is a mean over that many.
             per_step = float(original.clamp(min=1.0)) / (trainer.accelerator.num_processes * steps_per_generation)
-            return per_step, micro_batch, lambda: None
-        n = self.count(micro_batch)
+            return per_step, lambda: None
         # TRL divides by num_items_in_batch / num_processes * current_gradient_accumulation_steps (presented as 1)
         # / steps_per_generation; every factor is an integer, so the divisor is exactly n.
         scale = trainer.accelerator.num_processes * trainer.args.steps_per_generation
@@ -182,14 +198,13 @@ class GenerationBatchAccumulation:
         def restore() -> None:
             micro_batch["num_items_in_batch"] = original
 
-        return n, micro_batch, restore
+        return n, restore
 
 
 def _generation_trainer_name(trainer: Any) -> str | None:
-    for cls in type(trainer).__mro__:
-        if cls.__name__ in GENERATION_TRAINERS:
-            return cls.__name__
-    return None
+    # The nearest library class only: a subclass with a loss of its own is not its base's loss.
+    name = library_trainer_name(trainer)
+    return name if name in GENERATION_TRAINERS else None
 
 
 def _refuse(trainer_name: str, loss_type: str | None, why: str, fix: str) -> ValueError:
@@ -235,6 +250,15 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
         )
     if args.gradient_accumulation_steps == 1:
         return GenerationBatchAccumulation(name, loss_type, loss_items)
+    if getattr(trainer, "use_teacher_server", False):
+        raise _refuse(
+            name,
+            loss_type,
+            "with `use_teacher_server=True` its loss is computed from a teacher server's log-probabilities, a "
+            "different loss than the one GradAccumTrainer's table describes",
+            "Use a local teacher (`use_teacher_server=False`), or `gradient_accumulation_steps=1` with the batch you "
+            "want.",
+        )
     if getattr(trainer, "aux_loss_enabled", False):
         raise _refuse(
             name,
@@ -262,6 +286,7 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
     if (
         getattr(trainer, "_entropy_bonus_enabled", False)
         and loss_items.rescales_num_items
+        and loss_items.per_generation_step
         and args.steps_per_generation != args.gradient_accumulation_steps
     ):
         raise _refuse(

@@ -1,0 +1,52 @@
+"""Which library trainer a `GradAccumTrainer` is composed with: the class whose loss is being accumulated.
+
+Rows of the registry (`adapters/compositions.py`) and the feature slices (`adapters/trl_grpo.py`, ...) are chosen by
+the *nearest* library class in the MRO, not by any base class: a subclass that changes the loss (TRL's GMPO of GRPO,
+GKD and GOLD of SFT) is a trainer of its own, unknown until it has a row.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from typing import Any
+
+from transformers import Trainer
+
+
+@functools.cache
+def installed_top_level_modules() -> frozenset[str]:
+    """Top-level module names of the installed distributions (read once per process)."""
+    return frozenset(importlib.metadata.packages_distributions())
+
+
+def library_trainer(trainer: Any) -> type | None:
+    """
+    The nearest `Trainer` subclass in the MRO of `trainer` (an instance or a class) that transformers or another
+    installed package ships, looking through hf_gradaccum's classes and the user's own (code not installed as a
+    package); `None` when there is none.
+
+    Example:
+
+    ```python
+    >>> from transformers import Trainer
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.adapters.composed_class import library_trainer
+    >>> library_trainer(GradAccumTrainer) is Trainer
+    True
+    ```
+    """
+    cls0 = trainer if isinstance(trainer, type) else type(trainer)
+    for cls in cls0.__mro__:
+        root = cls.__module__.split(".")[0]
+        if root == "hf_gradaccum" or not issubclass(cls, Trainer):
+            continue
+        if root == "transformers" or root in installed_top_level_modules():
+            return cls
+    return None
+
+
+def library_trainer_name(trainer: Any) -> str | None:
+    """The class name of [`library_trainer`], or `None`."""
+    cls = library_trainer(trainer)
+    return None if cls is None else cls.__name__

@@ -1,0 +1,568 @@
+"""The TRL zoo: every trainer TRL 1.16 ships (stable and `trl.experimental`), each composed with `GradAccumTrainer` in
+both class orders at `gradient_accumulation_steps = K`, against the same trainer, stock, at GA = 1 on the whole
+window (one SGD(lr=1) step, fp32, tiny random-init Llama models, the same samples in the same order).
+
+Generating trainers get a deterministic generation stand-in (`DeterministicCompletions`): each prompt's completion is
+a function of its own tokens only, so the run at GA = 1 (one batch of B x K rows) and the runs at GA = K (K batches of
+B rows) train on the same completions, whatever the batch composition and the random state. The stand-in replaces
+the trainer's generation method only; everything after it (labels, masks, the loss) is the trainer's own.
+
+`run_case` classifies one composed run: `exact` (relative update difference <= 1e-5 against the stock GA = 1 run),
+`refused` (a `CompositionError` before the first optimizer step; its first line kept), `silent` (trained, not
+exact) or `crashed` (any other exception).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+
+from hf_gradaccum import GradAccumTrainer
+from hf_gradaccum.adapters.compositions import CompositionError
+from tests.composition_cases import WORDS, flat_trainable, tiny_llama, word_tokenizer
+
+RTOL = 1e-5
+B, K = 2, 3
+EOS_ID = 3
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} {% endif %}"
+)
+
+
+def tokenizer():
+    tok = word_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def messages_dataset(n: int = B * K, seed: int = 5) -> datasets.Dataset:
+    rng = random.Random(seed)
+    return datasets.Dataset.from_dict(
+        {
+            "messages": [
+                [
+                    {"role": "user", "content": _sentence(rng, 1, 6)},
+                    {"role": "assistant", "content": _sentence(rng, 1, 7)},
+                ]
+                for _ in range(n)
+            ]
+        }
+    )
+
+
+def prompt_dataset(n: int = B * K, seed: int = 6) -> datasets.Dataset:
+    rng = random.Random(seed)
+    return datasets.Dataset.from_dict({"prompt": [_sentence(rng, 1, 5) for _ in range(n)]})
+
+
+def prompt_completion_dataset(n: int = B * K, seed: int = 7) -> datasets.Dataset:
+    rng = random.Random(seed)
+    return datasets.Dataset.from_dict(
+        {"prompt": [_sentence(rng, 1, 5) for _ in range(n)], "completion": [_sentence(rng, 1, 6) for _ in range(n)]}
+    )
+
+
+def preference_dataset(n: int = B * K, seed: int = 8, reference: bool = False) -> datasets.Dataset:
+    rng = random.Random(seed)
+    rows = {
+        "prompt": [_sentence(rng, 1, 5) for _ in range(n)],
+        "chosen": [_sentence(rng, 1, 6) for _ in range(n)],
+        "rejected": [_sentence(rng, 1, 6) for _ in range(n)],
+    }
+    if reference:
+        rows["reference"] = [_sentence(rng, 1, 6) for _ in range(n)]
+    return datasets.Dataset.from_dict(rows)
+
+
+@functools.cache
+def _tokenizer_dir() -> str:
+    """A directory holding the word tokenizer and the seed-0 tiny Llama, for trainers that load a tokenizer or a teacher
+    by the model's `_name_or_path` (IW-OPD, GOLD, SDFT, SDPO)."""
+    path = tempfile.mkdtemp(prefix="trl_zoo_model_")
+    tokenizer().save_pretrained(path)
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def student(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = tiny_llama()
+    model.config._name_or_path = _tokenizer_dir()
+    return model
+
+
+def teacher() -> torch.nn.Module:
+    return student(seed=1)
+
+
+def completion_of(prompt_ids: list[int]) -> list[int]:
+    """The stand-in's completion: 1 to 6 word tokens then EOS, a function of the prompt's tokens only."""
+    total = sum(prompt_ids)
+    length = 1 + total % 6
+    return [4 + (total * 7 + 11 * j) % len(WORDS) for j in range(length)] + [EOS_ID]
+
+
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """Reward: the completion's length in characters (deterministic)."""
+    return [float(len(str(c))) for c in completions]
+
+
+class DeterministicCompletions:
+    """GKD's generation stand-in (`generate_on_policy_outputs`): the trainer's own masking of prompt, completion and
+    padding, applied to `completion_of(prompt)` instead of sampled tokens."""
+
+    @staticmethod
+    def generate_on_policy_outputs(model, inputs, generation_config):
+        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+        completions = [
+            completion_of(row[mask.bool()].tolist()) for row, mask in zip(prompts, prompt_mask, strict=True)
+        ]
+        width = max(len(c) for c in completions)
+        completion_ids = torch.zeros((len(completions), width), dtype=prompts.dtype, device=prompts.device)
+        completion_mask = torch.zeros_like(completion_ids)
+        for i, c in enumerate(completions):
+            completion_ids[i, : len(c)] = torch.tensor(c)
+            completion_mask[i, : len(c)] = 1
+        generated = torch.cat([prompts, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        labels = generated.clone()
+        labels[attention_mask == 0] = -100
+        labels[:, : prompts.shape[1]] = -100
+        return generated, attention_mask, labels
+
+
+COMMON = dict(
+    learning_rate=1.0,
+    optim="sgd",
+    lr_scheduler_type="constant",
+    max_grad_norm=0.0,
+    weight_decay=0.0,
+    max_steps=1,
+    bf16=False,
+    report_to=[],
+    save_strategy="no",
+    logging_strategy="no",
+    use_cpu=True,
+    disable_tqdm=True,
+    seed=0,
+    train_sampling_strategy="sequential",
+)
+
+
+@dataclass
+class ZooCase:
+    """One trainer and loss variant of the zoo.
+
+    Args:
+        trainer: `module:Class` of the TRL trainer.
+        variant: the loss variant (a short label).
+        config: `module:Class` of its config.
+        settings: config fields of the variant.
+        build: `build()` -> the trainer's keyword arguments other than `args` (model, datasets, teacher, ...).
+        mixins: stand-ins put in front of every class (stock and composed), e.g. a deterministic generation.
+        batch_settings: `batch_settings(ga, batch)` -> the config fields that set the window (default: the micro-batch
+            size and the accumulation steps).
+        fast: in the default test run (the rest of the zoo is `slow`).
+        expect: `"exact"` or `"refused"`, what the composed runs must be.
+    """
+
+    trainer: str
+    variant: str
+    config: str
+    settings: dict[str, Any]
+    build: Callable[[], dict[str, Any]]
+    mixins: tuple[type, ...] = ()
+    batch_settings: Callable[[int, int], dict[str, Any]] | None = None
+    fast: bool = False
+    expect: str = "exact"
+
+    @property
+    def name(self) -> str:
+        return self.trainer.rsplit(":", 1)[1]
+
+
+def _load(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+def _window(ga: int, batch: int) -> dict[str, Any]:
+    return {"per_device_train_batch_size": batch, "gradient_accumulation_steps": ga}
+
+
+def _generation_window(ga: int, batch: int) -> dict[str, Any]:
+    return {"per_device_train_batch_size": batch, "gradient_accumulation_steps": ga, "steps_per_generation": ga}
+
+
+def classes(case: ZooCase) -> dict[str, type]:
+    """The stock class and the two composed class orders (with the case's stand-ins in front)."""
+    stock = _load(case.trainer)
+    mixins = case.mixins
+    return {
+        "stock": type(f"Stock{case.name}", (*mixins, stock), {}),
+        "gradaccum_first": type(f"GradAccumFirst{case.name}", (*mixins, GradAccumTrainer, stock), {}),
+        "trl_first": type(f"{case.name}FirstGradAccum", (*mixins, stock, GradAccumTrainer), {}),
+    }
+
+
+def train_once(case: ZooCase, cls: type, output_dir: str, ga: int, batch: int) -> torch.Tensor:
+    """Build `cls` for `case` at (`ga`, `batch`), train one step; the trainable weights' update (float64)."""
+    config_cls = _load(case.config)
+    window = (case.batch_settings or _window)(ga, batch)
+    args = config_cls(output_dir, **{**COMMON, **case.settings, **window})
+    trainer = cls(args=args, **case.build())
+    initial = flat_trainable(trainer.model)
+    trainer.train()
+    return flat_trainable(trainer.model) - initial
+
+
+@dataclass
+class ZooResult:
+    case: ZooCase
+    order: str
+    verdict: str  # exact / refused / silent / crashed
+    error: float | None = None  # relative update difference against stock GA = 1
+    message: str = ""
+
+
+def relative(update: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((update - reference).norm() / reference.norm())
+
+
+def run_case(case: ZooCase, order: str, reference: Callable[[], torch.Tensor], output_dir: str) -> ZooResult:
+    """One composed run of `case` in class `order`, classified against the stock GA = 1 update (`reference()`,
+    computed only for a run that trains)."""
+    try:
+        update = train_once(case, classes(case)[order], output_dir, K, B)
+    except CompositionError as e:
+        return ZooResult(case, order, "refused", message=str(e).splitlines()[0])
+    except Exception as e:  # classified, not raised: the zoo reports every trainer
+        return ZooResult(case, order, "crashed", message=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    error = relative(update, reference())
+    return ZooResult(case, order, "exact" if error <= RTOL else "silent", error=error)
+
+
+def stock_reference(case: ZooCase, output_dir: str) -> Callable[[], torch.Tensor]:
+    """The stock trainer's update at GA = 1 on the whole window (B x K rows), computed once on first use."""
+
+    @functools.cache
+    def reference() -> torch.Tensor:
+        return train_once(case, classes(case)["stock"], output_dir, 1, B * K)
+
+    return reference
+
+
+def gkd_build() -> dict[str, Any]:
+    return dict(
+        model=student(), teacher_model=teacher(), train_dataset=messages_dataset(), processing_class=tokenizer()
+    )
+
+
+_GKD = dict(trainer="trl.experimental.gkd:GKDTrainer", config="trl.experimental.gkd:GKDConfig", build=gkd_build)
+_GKD_SETTINGS = dict(max_new_tokens=7, temperature=1.0)
+
+CASES: list[ZooCase] = [
+    ZooCase(variant="offline (lmbda=0)", settings={**_GKD_SETTINGS, "lmbda": 0.0}, **_GKD),
+    ZooCase(
+        variant="on-policy (lmbda=1)",
+        settings={**_GKD_SETTINGS, "lmbda": 1.0},
+        mixins=(DeterministicCompletions,),
+        fast=True,
+        **_GKD,
+    ),
+    ZooCase(
+        variant="seq_kd",
+        settings={**_GKD_SETTINGS, "lmbda": 0.0, "seq_kd": True},
+        mixins=(DeterministicCompletions,),
+        **_GKD,
+    ),
+]
+
+
+def _grpo_model() -> torch.nn.Module:
+    """The GRPO tests' tiny Llama, whose sampled completions stop after 1 to 10 tokens (uneven micro-batches)."""
+    from tests.grpo_cases import grpo_model
+
+    model = grpo_model()
+    model.config._name_or_path = _tokenizer_dir()
+    return model
+
+
+def rl_build() -> dict[str, Any]:
+    return dict(
+        model=_grpo_model(), reward_funcs=[length_reward], train_dataset=prompt_dataset(), processing_class=tokenizer()
+    )
+
+
+def distillation_build() -> dict[str, Any]:
+    return dict(
+        model=_grpo_model(), teacher_model=teacher(), train_dataset=prompt_dataset(), processing_class=tokenizer()
+    )
+
+
+def teacher_prompt_build() -> dict[str, Any]:
+    return dict(
+        model=student(), teacher_model=teacher(), train_dataset=messages_dataset(), processing_class=tokenizer()
+    )
+
+
+def preference_build(reference: bool = False) -> Callable[[], dict[str, Any]]:
+    def build() -> dict[str, Any]:
+        return dict(
+            model=student(), train_dataset=preference_dataset(reference=reference), processing_class=tokenizer()
+        )
+
+    return build
+
+
+def privileged_build() -> dict[str, Any]:
+    rng = random.Random(9)
+    rows = prompt_dataset().to_dict()
+    rows["privileged_context"] = [_sentence(rng, 1, 4) for _ in rows["prompt"]]
+    return dict(model=_grpo_model(), train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer())
+
+
+def sdpo_build() -> dict[str, Any]:
+    return {**privileged_build(), "reward_funcs": [length_reward]}
+
+
+def online_dpo_build() -> dict[str, Any]:
+    return dict(
+        model=student(), reward_funcs=[length_reward], train_dataset=prompt_dataset(), processing_class=tokenizer()
+    )
+
+
+_RL = dict(num_generations=2, max_completion_length=6, shuffle_dataset=False)
+_X = "trl.experimental"
+
+CASES += [
+    ZooCase(
+        trainer=f"{_X}.gmpo:GMPOTrainer",
+        config=f"{_X}.gmpo:GMPOConfig",
+        variant="default",
+        settings={**_RL},
+        build=rl_build,
+        batch_settings=_generation_window,
+        fast=True,
+    ),
+    ZooCase(
+        trainer="trl:DistillationTrainer",
+        config="trl:DistillationConfig",
+        variant="on-policy",
+        settings={"max_completion_length": 6, "shuffle_dataset": False},
+        build=distillation_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.distillation:DistillationTrainer",
+        config=f"{_X}.distillation:DistillationConfig",
+        variant="on-policy (experimental)",
+        settings={"max_completion_length": 6, "shuffle_dataset": False},
+        build=distillation_build,
+    ),
+    ZooCase(
+        trainer=f"{_X}.tpo:TPOTrainer",
+        config=f"{_X}.tpo:TPOConfig",
+        variant="tpo_alpha=0",
+        settings={"tpo_alpha": 0.0},
+        build=preference_build(reference=True),
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.tpo:TPOTrainer",
+        config=f"{_X}.tpo:TPOConfig",
+        variant="tpo_alpha=1",
+        expect="refused",
+        settings={"tpo_alpha": 1.0},
+        build=preference_build(reference=True),
+    ),
+    ZooCase(
+        trainer=f"{_X}.cpo:CPOTrainer",
+        expect="refused",
+        config=f"{_X}.cpo:CPOConfig",
+        variant="sigmoid",
+        settings={},
+        build=preference_build(),
+    ),
+    ZooCase(
+        trainer=f"{_X}.orpo:ORPOTrainer",
+        expect="refused",
+        config=f"{_X}.orpo:ORPOConfig",
+        variant="default",
+        settings={},
+        build=preference_build(),
+    ),
+    ZooCase(
+        trainer=f"{_X}.gold:GOLDTrainer",
+        expect="refused",
+        config=f"{_X}.gold:GOLDConfig",
+        variant="offline (lmbda=0)",
+        settings={"lmbda": 0.0, "max_completion_length": 6, "use_extended_uld": False},
+        build=gkd_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.iw_opd:IWOPDTrainer",
+        expect="refused",
+        config=f"{_X}.iw_opd:IWOPDConfig",
+        variant="default",
+        settings={"max_completion_length": 6},
+        build=teacher_prompt_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.sdft:SDFTTrainer",
+        config=f"{_X}.sdft:SDFTConfig",
+        variant="default",
+        settings={"max_completion_length": 6, "num_generations": 2, "distillation_topk": 8},
+        build=privileged_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.sdpo:SDPOTrainer",
+        expect="refused",
+        config=f"{_X}.sdpo:SDPOConfig",
+        variant="default",
+        settings={**_RL},
+        build=sdpo_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.a2po:A2POTrainer",
+        expect="refused",
+        config=f"{_X}.a2po:A2POConfig",
+        variant="default",
+        settings={"max_completion_length": 6},
+        build=rl_build,
+        fast=True,
+    ),
+    ZooCase(
+        trainer=f"{_X}.online_dpo:OnlineDPOTrainer",
+        expect="refused",
+        config=f"{_X}.online_dpo:OnlineDPOConfig",
+        variant="default",
+        settings={"max_new_tokens": 6},
+        build=online_dpo_build,
+    ),
+]
+
+
+def kto_dataset(n: int = B * K, seed: int = 10) -> datasets.Dataset:
+    rng = random.Random(seed)
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [_sentence(rng, 1, 5) for _ in range(n)],
+            "completion": [_sentence(rng, 1, 6) for _ in range(n)],
+            "label": [i % 3 != 0 for i in range(n)],
+        }
+    )
+
+
+def sft_build() -> dict[str, Any]:
+    return dict(model=student(), train_dataset=prompt_completion_dataset(), processing_class=tokenizer())
+
+
+def reward_build() -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tiny_llama().config.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    return dict(
+        model=LlamaForSequenceClassification(config), train_dataset=preference_dataset(), processing_class=tokenizer()
+    )
+
+
+def kto_build() -> dict[str, Any]:
+    return dict(model=student(), ref_model=student(), train_dataset=kto_dataset(), processing_class=tokenizer())
+
+
+# The stable trainers (their own tests compare them with hand-computed large batches; here, with the stock trainer).
+CASES += [
+    ZooCase(
+        trainer="trl:SFTTrainer", config="trl:SFTConfig", variant="prompt-completion", settings={}, build=sft_build
+    ),
+    ZooCase(
+        trainer="trl:DPOTrainer",
+        config="trl:DPOConfig",
+        variant="sigmoid",
+        settings={},
+        build=preference_build(),
+    ),
+    ZooCase(
+        trainer="trl:DPOTrainer",
+        config="trl:DPOConfig",
+        variant="sft",
+        settings={"loss_type": ["sft"]},
+        build=preference_build(),
+        expect="refused",
+    ),
+    ZooCase(
+        trainer=f"{_X}.bema_for_ref_model:DPOTrainer",
+        config="trl:DPOConfig",
+        variant="sigmoid (BEMA reference)",
+        settings={},
+        build=preference_build(),
+    ),
+    ZooCase(trainer="trl:RewardTrainer", config="trl:RewardConfig", variant="pairs", settings={}, build=reward_build),
+    ZooCase(
+        trainer="trl:KTOTrainer",
+        config="trl:KTOConfig",
+        variant="kto",
+        settings={"max_length": 32},
+        build=kto_build,
+    ),
+    ZooCase(
+        trainer="trl:GRPOTrainer",
+        config="trl:GRPOConfig",
+        variant="grpo",
+        settings={**_RL, "loss_type": "grpo"},
+        build=rl_build,
+        batch_settings=_generation_window,
+    ),
+    ZooCase(
+        trainer="trl:GRPOTrainer",
+        config="trl:GRPOConfig",
+        variant="bnpo",
+        settings={**_RL, "loss_type": "bnpo"},
+        build=rl_build,
+        batch_settings=_generation_window,
+    ),
+    ZooCase(
+        trainer="trl:RLOOTrainer",
+        config="trl:RLOOConfig",
+        variant="default",
+        settings={**_RL, "beta": 0.0},
+        build=rl_build,
+        batch_settings=_generation_window,
+    ),
+]
+
+# Shipped by TRL 1.16 but not constructible offline on a CPU (they need a model name to load, a vLLM or teacher
+# server): listed in the zoo's table, not run.
+NOT_RUN = {
+    "trl.experimental.async_grpo:AsyncGRPOTrainer": "needs a vLLM server (`model` must be a name)",
+    "trl.experimental.async_distillation:AsyncDistillationTrainer": "needs a vLLM server (`model` must be a name)",
+    "trl.experimental.server_distillation:ServerDistillationTrainer": "needs a teacher server",
+}
