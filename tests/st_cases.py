@@ -21,24 +21,9 @@ def tiny_sentence_transformer(folder: Path, seed: int = 0, hidden: int = 16):
     """A `SentenceTransformer` (random-init 2-layer BERT, hidden 16, no dropout, mean pooling) saved under `folder`."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
-    path = folder / f"bert{seed}"
-    if not path.exists():
-        torch.manual_seed(seed)
-        config = BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=hidden,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=2 * hidden,
-            max_position_embeddings=64,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            pad_token_id=0,
-        )
-        BertModel(config).save_pretrained(path)
-        word_tokenizer().save_pretrained(path)
+    path = _tiny_bert_folder(folder, f"bert{seed}", BertModel, seed, hidden)
     transformer = Transformer(str(path), max_seq_length=32)
     return SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")])
 
@@ -72,7 +57,9 @@ def sequential_batches(dataset, batch_size: int, drop_last: bool, **kwargs):
     )
 
 
-def st_args(folder: Path, batch: int, steps: int, **overrides):
+def st_args(folder: Path, batch: int, steps: int, args_cls=None, **overrides):
+    """One SGD(lr=1) step, no clipping, sequential batches, on CPU: the arguments every trainer of these tests uses
+    (`args_cls`: the trainer's own arguments class; `SentenceTransformerTrainingArguments` by default)."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
     kwargs = dict(
@@ -95,16 +82,19 @@ def st_args(folder: Path, batch: int, steps: int, **overrides):
         seed=0,
     )
     kwargs.update(overrides)
-    return SentenceTransformerTrainingArguments(**kwargs)
+    return (args_cls or SentenceTransformerTrainingArguments)(**kwargs)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
 
 
-def one_step(trainer_cls, folder: Path, make_loss, batch: int, steps: int, dataset=None, **arg_overrides):
-    """Train one optimizer step of `trainer_cls` on a fresh tiny model; return (update, trainer)."""
-    model = tiny_sentence_transformer(folder)
+def one_step(
+    trainer_cls, folder: Path, make_loss, batch: int, steps: int, dataset=None, make_model=None, **arg_overrides
+):
+    """Train one optimizer step of `trainer_cls` on a fresh tiny model (`make_model(folder)`, a SentenceTransformer
+    by default); return (update, trainer)."""
+    model = (make_model or tiny_sentence_transformer)(folder)
     before = flat(model)
     trainer = trainer_cls(
         model=model,
@@ -118,3 +108,48 @@ def one_step(trainer_cls, folder: Path, make_loss, batch: int, steps: int, datas
 
 def relative_difference(update: torch.Tensor, reference: torch.Tensor) -> float:
     return float((update - reference).norm() / reference.norm())
+
+
+def _tiny_bert_folder(folder: Path, name: str, model_cls, seed: int, hidden: int = 16, **config) -> Path:
+    """A random-init 2-layer BERT (`model_cls`, dropout off) and the word-level tokenizer, saved under `folder`."""
+    from transformers import BertConfig
+
+    path = folder / name
+    if not path.exists():
+        torch.manual_seed(seed)
+        bert_config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=2 * hidden,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+            **config,
+        )
+        model_cls(bert_config).save_pretrained(path)
+        word_tokenizer().save_pretrained(path)
+    return path
+
+
+def tiny_cross_encoder(folder: Path, seed: int = 0):
+    """A `CrossEncoder` (random-init 2-layer BERT with a 1-score head, no dropout)."""
+    from sentence_transformers import CrossEncoder
+    from transformers import BertForSequenceClassification
+
+    path = _tiny_bert_folder(folder, f"ce{seed}", BertForSequenceClassification, seed, num_labels=1)
+    return CrossEncoder(str(path), num_labels=1, max_length=32)
+
+
+def tiny_sparse_encoder(folder: Path, seed: int = 0):
+    """A SPLADE `SparseEncoder` (random-init 2-layer BERT masked-LM head, max pooling, no dropout)."""
+    from sentence_transformers.sentence_transformer.modules import Transformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import BertForMaskedLM
+
+    path = _tiny_bert_folder(folder, f"splade{seed}", BertForMaskedLM, seed)
+    transformer = Transformer(str(path), max_seq_length=32, transformer_task="fill-mask")
+    return SparseEncoder(modules=[transformer, SpladePooling("max")])

@@ -88,9 +88,14 @@ def test_registry_rows_are_well_formed_and_follow_the_feature_tables():
         assert REGISTRY[trainer, loss_type or "*"].what.startswith(items.items)
     for loss in (*compositions.EMBEDDING_LOSSES, *compositions.GUIDED_LOSSES):
         assert REGISTRY["SentenceTransformerTrainer", loss].how == "coupled"
+    for loss in compositions.REPLAYED_LOSSES:
+        assert REGISTRY["SparseEncoderTrainer", loss].how == "coupled"
     for cached, plain in compositions.CACHED_LOSSES.items():
-        entry = REGISTRY["SentenceTransformerTrainer", cached]
+        trainer = "SparseEncoderTrainer" if cached == "CachedSpladeLoss" else "SentenceTransformerTrainer"
+        entry = REGISTRY[trainer, cached]
         assert entry.how == "refused" and plain in entry.fix
+    for trainer in compositions.SENTENCE_TRANSFORMERS_TRAINERS:
+        assert REGISTRY[trainer, "*"].how == "items"
 
 
 def test_cli_lists_every_registry_row(capsys):

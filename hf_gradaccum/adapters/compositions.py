@@ -119,31 +119,50 @@ EMBEDDING_LOSSES = (
 )
 # `forward` runs the guide model too: replayed on the window's embeddings by `_gist_coupled_loss`.
 GUIDED_LOSSES = ("GISTEmbedLoss",)
+# `forward` embeds the columns with `self.model` (sentence-transformers' `embed_columns`) and computes everything
+# else from those embeddings (SpladeLoss: its ranking loss plus the FLOPS regularisers, batch means of the
+# embeddings): replayed on the window's embeddings by `_replayed_coupled_loss`.
+REPLAYED_LOSSES = ("SpladeLoss",)
 # Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only.
 CACHED_LOSSES = {
     "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
     "CachedGISTEmbedLoss": "GISTEmbedLoss",
+    "CachedSpladeLoss": "SpladeLoss",
 }
+# CrossEncoder losses that are a mean over independent rows (pairs): plain accumulation weighted by rows.
+CROSS_ENCODER_ROW_LOSSES = ("BinaryCrossEntropyLoss", "CrossEntropyLoss", "MSELoss", "MarginMSELoss")
+# sentence-transformers' trainers (6.x: all subclasses of its `BaseTrainer`; 5.x has the first three).
+SENTENCE_TRANSFORMERS_TRAINERS = (
+    "SentenceTransformerTrainer",
+    "CrossEncoderTrainer",
+    "SparseEncoderTrainer",
+    "MultiVectorEncoderTrainer",
+)
 
 
 def _sentence_transformers_rows() -> dict[tuple[str, str], Accumulation]:
     rows = {}
+    coupled = Accumulation("coupled", "the window's embeddings through the loss (rows weighted)")
     for loss in (*EMBEDDING_LOSSES, *GUIDED_LOSSES):
-        rows["SentenceTransformerTrainer", loss] = Accumulation(
-            "coupled", "the window's embeddings through the loss (rows weighted)"
-        )
+        rows["SentenceTransformerTrainer", loss] = coupled
+    for loss in REPLAYED_LOSSES:
+        rows["SparseEncoderTrainer", loss] = coupled
+    for loss in CROSS_ENCODER_ROW_LOSSES:
+        rows["CrossEncoderTrainer", loss] = Accumulation("items", "rows (query-document pairs)")
     for cached, plain in CACHED_LOSSES.items():
-        rows["SentenceTransformerTrainer", cached] = Accumulation(
+        trainer = "SparseEncoderTrainer" if cached == "CachedSpladeLoss" else "SentenceTransformerTrainer"
+        rows[trainer, cached] = Accumulation(
             "refused",
             "it caches gradients within one micro-batch, so its negatives are the micro-batch's only",
             f"Use `{plain}`: composed with GradAccumTrainer the whole window is its batch of negatives.",
         )
-    rows["SentenceTransformerTrainer", "*"] = Accumulation(
-        "items",
-        "rows, after the split-invariance check on the first window finds the loss exact (else refused); "
-        "`register_sentence_transformers_loss` declares a loss instead",
-    )
+    for trainer in SENTENCE_TRANSFORMERS_TRAINERS:
+        rows[trainer, "*"] = Accumulation(
+            "items",
+            "rows, after the split-invariance check on the first window finds the loss exact (else refused); "
+            "`register_sentence_transformers_loss` declares a loss instead",
+        )
     return rows
 
 
@@ -218,7 +237,7 @@ def register_composition(trainer_name: str, loss: str, how: str, what: str, fix:
 
 def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
     """The loss names that select a row for `trainer_name`: its loss types, or its loss module's class names."""
-    if trainer_name == "SentenceTransformerTrainer":
+    if trainer_name in SENTENCE_TRANSFORMERS_TRAINERS:
         loss = getattr(trainer, "loss", None)
         losses = list(loss.values()) if isinstance(loss, dict) else [loss]
         return [type(item).__name__ for item in losses if item is not None]
@@ -271,7 +290,7 @@ def refuse_unaccumulable_losses(trainer: Any) -> None:
     if found is None:
         return
     name, rows = found
-    if name == "SentenceTransformerTrainer":
+    if name in SENTENCE_TRANSFORMERS_TRAINERS:
         # Its loss may be set after `__init__` (with SentenceTransformerTrainer first in the class order): the
         # routing refuses these rows on the first window, before any step (adapters/sentence_transformers.py).
         return

@@ -1,4 +1,7 @@
-"""sentence-transformers' `SentenceTransformerTrainer` composed with [`GradAccumTrainer`]: exact without configuration.
+"""sentence-transformers' trainers composed with [`GradAccumTrainer`]: exact without configuration.
+
+Every trainer sentence-transformers ships (`SentenceTransformerTrainer`, `CrossEncoderTrainer`,
+`SparseEncoderTrainer`, `MultiVectorEncoderTrainer`; in 6.x all subclasses of its `BaseTrainer`) is routed here.
 
 Many sentence-transformers losses couple the batch: with in-batch negatives (`MultipleNegativesRankingLoss`, its
 symmetric variant, `GISTEmbedLoss`) every sample is a negative for every other, and CoSENT/AnglE or the batch-hard
@@ -8,8 +11,12 @@ order) therefore routes the loss, on the first training window, to one of:
 
 - **coupled** (gradient caching, `engine/coupled.py`): for a loss that computes its value from the column
   embeddings (its `compute_loss_from_embeddings`, fed the whole window's embeddings and labels, so its own
-  similarity function, scale, directions and hardness settings apply) and for `GISTEmbedLoss` (its own `forward`
-  replayed on the window's model and guide embeddings). Micro-batches are weighted by rows. Exact.
+  similarity function, scale, directions and hardness settings apply), for `GISTEmbedLoss` (its own `forward`
+  replayed on the window's model and guide embeddings) and for SparseEncoder's `SpladeLoss` (its own `forward`
+  replayed on the window's embeddings: the ranking loss and the FLOPS regularisers, which are batch means, see the
+  whole window). Micro-batches are weighted by rows. Exact.
+- **item_mean**: CrossEncoder losses that are a mean over independent pairs (`BinaryCrossEntropyLoss`,
+  `CrossEntropyLoss`, `MSELoss`, `MarginMSELoss`): plain accumulation weighted by rows. Exact.
 - **refused**: a cached loss (`Cached*`) under accumulation: it caches within one micro-batch only, so its negatives
   are the micro-batch's. The error names the non-cached loss to use instead.
 - **checked**: any other loss. Before the first optimizer step the split-invariance check runs on the first window
@@ -31,7 +38,14 @@ import torch
 from torch import nn
 
 from ..engine.coupled import CoupledLoss, rows_in
-from .compositions import CACHED_LOSSES, EMBEDDING_LOSSES, GUIDED_LOSSES
+from .compositions import (
+    CACHED_LOSSES,
+    CROSS_ENCODER_ROW_LOSSES,
+    EMBEDDING_LOSSES,
+    GUIDED_LOSSES,
+    REPLAYED_LOSSES,
+    SENTENCE_TRANSFORMERS_TRAINERS,
+)
 from .coupled import CoupledWindowMode
 
 __all__ = [
@@ -56,12 +70,14 @@ class SentenceTransformersLossError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------- detection
 def is_sentence_transformers_trainer(trainer: Any) -> bool:
-    """Whether `trainer` is a sentence-transformers `SentenceTransformerTrainer` (without importing the package)."""
-    module = sys.modules.get("sentence_transformers")
-    if module is None:
+    """Whether `trainer` is one of sentence-transformers' trainers (`SentenceTransformerTrainer`,
+    `CrossEncoderTrainer`, `SparseEncoderTrainer`, `MultiVectorEncoderTrainer`), without importing the package."""
+    if sys.modules.get("sentence_transformers") is None:
         return False
-    trainer_cls = getattr(module, "SentenceTransformerTrainer", None)
-    return trainer_cls is not None and isinstance(trainer, trainer_cls)
+    return any(
+        cls.__name__ in SENTENCE_TRANSFORMERS_TRAINERS and cls.__module__.startswith("sentence_transformers")
+        for cls in type(trainer).__mro__
+    )
 
 
 def register_sentence_transformers_loss(loss_cls: type, route: str) -> None:
@@ -123,15 +139,28 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
     owner = forward_owner.__name__ if forward_owner is not None else ""
     if owner in GUIDED_LOSSES:
         return "coupled", f"{owner}'s forward replayed on the window's model and guide embeddings"
+    if owner in REPLAYED_LOSSES:
+        return "coupled", f"{owner}'s forward replayed on the window's embeddings"
+    if owner in CROSS_ENCODER_ROW_LOSSES and _is_cross_encoder_loss(forward_owner):
+        return "item_mean", f"{owner} is a mean over independent query-document pairs"
     if owner in EMBEDDING_LOSSES and callable(getattr(loss, "compute_loss_from_embeddings", None)):
         return "coupled", f"{owner}.compute_loss_from_embeddings on the window's embeddings"
     return "checked", "not a loss GradAccumTrainer knows how to accumulate"
 
 
+def _is_cross_encoder_loss(cls: type | None) -> bool:
+    # Loss names repeat across the encoders (MarginMSELoss is an embedding loss for SentenceTransformer).
+    return cls is not None and cls.__module__.startswith("sentence_transformers.cross_encoder")
+
+
 # ---------------------------------------------------------------------------------------------------- coupled losses
-def _features(trainer: Any, batch: Mapping[str, Any]) -> tuple[list[dict[str, Any]], torch.Tensor | None]:
-    """The column features and labels of a collated batch, as `SentenceTransformerTrainer.compute_loss` splits it."""
-    features, labels = trainer.collect_features(dict(batch))
+# Keys the trainers' `compute_loss` pops before `collect_features` (CrossEncoder's takes every other key as a column).
+NON_FEATURE_KEYS = ("dataset_name", "prompt", "task")
+
+
+def _features(trainer: Any, batch: Mapping[str, Any]) -> tuple[list[Any], torch.Tensor | None]:
+    """The column features and labels of a collated batch, as the trainer's `compute_loss` splits it."""
+    features, labels = trainer.collect_features({k: v for k, v in batch.items() if k not in NON_FEATURE_KEYS})
     if not features:
         raise ValueError(f"A sentence-transformers batch with no feature columns: {sorted(batch)}.")
     return features, labels if torch.is_tensor(labels) else None
@@ -145,6 +174,16 @@ def _columns_as_losses_embed(model: nn.Module, features: list[dict[str, Any]]) -
     except ImportError:  # sentence-transformers 5.x
         return [model(column)["sentence_embedding"] for column in features]
     return merged(model, features)
+
+
+def _embed_columns_separate_first(
+    model: nn.Module, features: list[dict[str, Any]], separate_first: bool
+) -> list[torch.Tensor]:
+    """Each column's embeddings as sentence-transformers' `embed_columns(model, features, separate_first)` computes
+    them (a loss that calls it with `separate_first=False` merges the first column into the others' forward)."""
+    from sentence_transformers.base.losses.merged_forward import embed_columns
+
+    return embed_columns(model, features, separate_first=separate_first)
 
 
 def _embed_columns(model: nn.Module, features: list[dict[str, Any]], first_only: bool) -> list[torch.Tensor]:
@@ -180,15 +219,23 @@ def _window_world(loss: nn.Module) -> dict[str, Any]:
     return {"gather_across_ranks": gathers}
 
 
-def _embedding_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
-    first_only = _defining_class(type(loss), "forward").__name__.startswith("Batch")
+def _column_embedder(trainer: Any, embed_columns: Any) -> Any:
+    """`embed_fn` of the coupled loss: the batch's column embeddings (`embed_columns(model, features)`) and its
+    labels, if any."""
 
     def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
         features, labels = _features(trainer, batch)
-        reps: dict[str, Any] = {"embeddings": _embed_columns(model, features, first_only)}
+        reps: dict[str, Any] = {"embeddings": embed_columns(model, features)}
         if labels is not None:
             reps["labels"] = labels
         return reps
+
+    return embed
+
+
+def _embedding_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    first_only = _defining_class(type(loss), "forward").__name__.startswith("Batch")
+    embed = _column_embedder(trainer, lambda model, features: _embed_columns(model, features, first_only))
 
     def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
         no_gather = {"gather_across_devices": False} if hasattr(loss, "gather_across_devices") else {}
@@ -249,6 +296,28 @@ def _gist_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
     return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **_window_world(loss))
 
 
+def _replayed_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    # SpladeLoss embeds with `embed_columns(model, features, separate_first=not use_document_regularizer_only)`.
+    separate_first = not bool(getattr(loss, "use_document_regularizer_only", False))
+    inner = getattr(loss, "loss", None)
+    gathering = [m for m in (loss, inner) if isinstance(m, nn.Module) and hasattr(m, "gather_across_devices")]
+    embed = _column_embedder(
+        trainer, lambda model, features: _embed_columns_separate_first(model, features, separate_first)
+    )
+
+    def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
+        columns = [{COLUMN_KEY: i} for i in range(len(reps["embeddings"]))]
+        with contextlib.ExitStack() as stack:
+            # The window's embeddings are already every rank's when the loss gathers: it must not gather again.
+            for module in gathering:
+                stack.enter_context(_attributes(module, gather_across_devices=False))
+            stack.enter_context(_attributes(loss, model=_Replay(list(reps["embeddings"]))))
+            return _scalar(loss(columns, reps.get("labels")))
+
+    world = {"gather_across_ranks": any(bool(m.gather_across_devices) for m in gathering)}
+    return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **world)
+
+
 def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
     """
     The [`~hf_gradaccum.engine.coupled.CoupledLoss`] of a sentence-transformers loss on `trainer`'s collated batches:
@@ -265,14 +334,19 @@ def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> Coupled
     route, reason = sentence_transformers_route(loss)
     if route != "coupled":
         raise ValueError(f"{type(loss).__name__} is not accumulated in the coupled mode: {reason}.")
-    if _defining_class(type(loss), "forward").__name__ in GUIDED_LOSSES:
+    owner = _defining_class(type(loss), "forward").__name__
+    if owner in GUIDED_LOSSES:
         return _gist_coupled_loss(trainer, loss)
+    if owner in REPLAYED_LOSSES:
+        return _replayed_coupled_loss(trainer, loss)
     return _embedding_coupled_loss(trainer, loss)
 
 
 def _rows(trainer: Any, batch: Mapping[str, Any]) -> int:
     features, _ = _features(trainer, batch)
-    return rows_in(features[0])
+    first = features[0]
+    # CrossEncoder columns are lists of texts, tokenised inside the loss.
+    return len(first) if isinstance(first, (list, tuple)) else rows_in(first)
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
@@ -298,19 +372,34 @@ class SentenceTransformersRouting:
             if refused:
                 raise SentenceTransformersLossError(self._message(losses, refused, "refused"))
             routes = {r for r, _ in decided.values()}
-            if isinstance(loss, Mapping) and routes != {"item_mean"}:
-                # A window may mix batches of several datasets, each with its own loss: no single window loss.
-                route, reason = "checked", "one loss per dataset (a dict of losses)"
+            # Per dataset: a window may mix micro-batches of several datasets, each under its own loss.
+            self._st_dataset_routes = {name: r for name, (r, _) in decided.items()}
+            self._st_dataset_reasons = {name: why for name, (_, why) in decided.items()}
+            if not isinstance(loss, Mapping):
+                route, reason = decided[None]
+            elif "coupled" in routes:
+                route, reason = (
+                    "coupled",
+                    "one loss per dataset, each over its own micro-batches of the window: "
+                    + ("; ".join(f"{name}: {r} ({why})" for name, (r, why) in decided.items())),
+                )
+            elif "checked" in routes:
+                route, reason = "checked", "one loss per dataset, checked on each dataset's micro-batches"
             else:
-                route, reason = decided[next(iter(decided))]
+                route, reason = "item_mean", "one loss per dataset, each a mean over rows"
         if route == "coupled":
             if self.args.auto_find_batch_size:
                 raise SentenceTransformersLossError(
-                    f"{type(self).__name__}: `auto_find_batch_size=True` cannot be used with {type(loss).__name__} "
+                    f"{type(self).__name__}: `auto_find_batch_size=True` cannot be used with {_loss_name(loss)} "
                     "under gradient accumulation: it is accumulated by gradient caching, whose recomputed "
                     "embeddings would draw other dropout masks after an out-of-memory split."
                 )
-            self.coupled_mode = CoupledWindowMode(sentence_transformers_coupled_loss(self, loss), owns_loss=False)
+            coupled = (
+                _per_dataset_coupled_loss(self, loss, self._st_dataset_routes)
+                if isinstance(loss, Mapping)
+                else sentence_transformers_coupled_loss(self, loss)
+            )
+            self.coupled_mode = CoupledWindowMode(coupled, owns_loss=False)
         logger.info("%s: %s accumulates by the %r route (%s).", type(self).__name__, _loss_name(loss), route, reason)
         self._st_route, self._st_reason = route, reason
         return route
@@ -322,9 +411,7 @@ class SentenceTransformersRouting:
             f"{self.args.gradient_accumulation_steps}: " + "; ".join(why.values()) + "."
         ]
         if route == "refused":
-            plain = sorted(
-                {CACHED_LOSSES[type(each).__name__] for each in losses.values()} & set(CACHED_LOSSES.values())
-            )
+            plain = sorted({CACHED_LOSSES[type(each).__name__] for name, each in losses.items() if name in why})
             lines.append(
                 f"Fix: use {' / '.join(plain) or 'the non-cached loss'}: {type(self).__name__} caches gradients over "
                 "the whole accumulation window itself, so the window is the batch of negatives. Or keep the cached "
@@ -340,17 +427,28 @@ class SentenceTransformersRouting:
             )
         return "\n".join(lines)
 
-    def _check_first_window(self, batches: list[Any]) -> None:
-        """The split-invariance check on the first window for a loss with no route: stop unless it is exact."""
+    def _check_window(self, batches: list[Any]) -> None:
+        """The split-invariance check for the losses with no route: a single loss on the first window; a dict of
+        losses on each dataset's micro-batches, the first time a window has any. Stop unless it is exact."""
+        if not isinstance(self.loss, Mapping):
+            if not getattr(self, "_st_checked", False) and batches:
+                self._st_checked = True
+                self._check_loss(None, batches)
+            return
+        checked = self.__dict__.setdefault("_st_checked_datasets", set())
+        for name in dict.fromkeys(_dataset_of(b) for b in batches):
+            if name in checked or self._st_dataset_routes.get(name) != "checked":
+                continue
+            checked.add(name)
+            self._check_loss(name, [b for b in batches if _dataset_of(b) == name])
+
+    def _check_loss(self, name: Any, batches: list[Any]) -> None:
         from .accumulation_check import check_trainer_window
 
-        if getattr(self, "_st_checked", False) or not batches:
-            return
-        self._st_checked = True
         result = check_trainer_window(self, batches)
         if result is not None and result.passed:
             return
-        losses = dict(self.loss) if isinstance(self.loss, Mapping) else {None: self.loss}
+        losses = {name: self.loss[name]} if name is not None else {None: self.loss}
         if result is None:
             found = "the split-invariance check could not run on the first window (see the log)"
         elif getattr(result, "verdict", None) == "cannot_decide":
@@ -358,6 +456,8 @@ class SentenceTransformersRouting:
         else:
             found = f"the split-invariance check finds it NOT exact (the window split differently gives another gradient)\n{result.summary()}"
         reason = getattr(self, "_st_reason", "not a loss GradAccumTrainer knows")
+        if name is not None:
+            reason = f"the loss of dataset {name!r}: {self._st_dataset_reasons[name]}"
         raise SentenceTransformersLossError(
             self._message(losses, dict.fromkeys(losses, f"{reason}, and {found}"), "checked")
         )
@@ -366,8 +466,8 @@ class SentenceTransformersRouting:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         route = self._decide_route()
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if route == "checked":
-            self._check_first_window(list(batch_samples))
+        if route == "checked" or (route == "coupled" and isinstance(self.loss, Mapping)):
+            self._check_window(list(batch_samples))
         return batch_samples, num_items
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -383,6 +483,37 @@ class SentenceTransformersRouting:
     def count_micro_batch_items(self, inputs: dict[str, Any]) -> int:
         # sentence-transformers batches carry `label` (scores, classes) or nothing; every loss here is per row.
         return _rows(self, inputs)
+
+
+def _dataset_of(batch: Mapping[str, Any]) -> Any:
+    return batch.get("dataset_name")
+
+
+def _item_mean_loss(trainer: Any, loss: nn.Module):
+    """A dataset's loss that is a mean over its rows, computed on one micro-batch as the trainer's `compute_loss`
+    does (called directly: inside the coupled mode the trainer's `compute_loss` is the surrogate's)."""
+
+    def compute(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        features, labels = _features(trainer, batch)
+        extra = {k: batch[k] for k in ("prompt", "task") if batch.get(k) is not None}
+        return _scalar(loss(features, labels, **extra))
+
+    return compute
+
+
+def _per_dataset_coupled_loss(trainer: Any, losses: Mapping[str, nn.Module], routes: Mapping[str, str]):
+    """One loss per dataset (sentence-transformers' dict of losses): each dataset's micro-batches of the window
+    under its own loss, through the coupled mode for a loss that couples the batch, per micro-batch otherwise (a
+    "checked" dataset's loss is checked on its micro-batches before its first step)."""
+    from ..engine.grouped_coupled import GroupedCoupledLoss
+
+    per_dataset = {
+        name: sentence_transformers_coupled_loss(trainer, loss)
+        if routes[name] == "coupled"
+        else _item_mean_loss(trainer, loss)
+        for name, loss in losses.items()
+    }
+    return GroupedCoupledLoss(_dataset_of, per_dataset, num_items_fn=lambda batch: _rows(trainer, batch))
 
 
 def _loss_name(loss: Any) -> str:

@@ -74,9 +74,10 @@ def accumulated_gradient(
     micro_batches: Sequence[dict[str, Any]],
     loss_fn: LossFn,
     count_items: CountFn,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """
-    `sum_k n_k / N * grad(loss_k)` in fp32 over `micro_batches`, `n_k = count_items(micro_batch_k)`: the gradient
+    `sum_k n_k / N * grad(loss_k)` in `grad_dtype` (fp32, or fp64 for a model run in fp64) over `micro_batches`, `n_k = count_items(micro_batch_k)`: the gradient
     that exact accumulation applies for this split of the window. Micro-batches with no items are skipped, as their
     weight is 0. An exception from `loss_fn` or the backward is raised as [`ForwardFailed`] (with the micro-batch).
     """
@@ -85,7 +86,7 @@ def accumulated_gradient(
     if not total > 0:
         raise ValueError(f"`count_items` found no items in the window (counts {counts}): nothing to compare.")
     device = params[0].device
-    grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    grads = [torch.zeros_like(p, dtype=grad_dtype) for p in params]
     for index, (mb, n) in enumerate(zip(micro_batches, counts, strict=True)):
         if n == 0:
             continue
@@ -98,5 +99,5 @@ def accumulated_gradient(
             raise ForwardFailed(error, index, batch_rows(mb)) from error
         for acc, g in zip(grads, parts, strict=True):
             if g is not None:
-                acc.add_(g.float(), alpha=n / total)
+                acc.add_(g.to(grad_dtype), alpha=n / total)
     return grads

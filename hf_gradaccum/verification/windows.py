@@ -80,6 +80,9 @@ class _RowList(list):
 
 def _rows(batch: Mapping[str, Any], index: int) -> int:
     counts = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0}
+    if not counts:
+        # No tensor at all: a batch of texts tokenised inside the loss (sentence-transformers' CrossEncoder).
+        counts = {len(v) for v in batch.values() if isinstance(v, (list, tuple))}
     if len(counts) != 1:
         raise ValueError(f"`batches[{index}]` has tensors with different numbers of rows {sorted(counts)}.")
     return counts.pop()
