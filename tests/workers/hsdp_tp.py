@@ -7,6 +7,8 @@ Routes (the launch's world size must match each route's mesh):
 - `tp` (2 ranks): `DistributedConfig(tp_size=2)`; `tp_plan_auto` (2 ranks): `from_pretrained(..., tp_plan="auto")`;
 - `tp_fsdp` (4 ranks): `DistributedConfig(tp_size=2, fsdp_size=2)`;
 - `pc_tp` (2 ranks): Accelerate's `ParallelismConfig(tp_size=2)` in the arguments, on a `tp_plan="auto"` model;
+- `tp_bf16` (2 ranks): bf16 parameters under `DistributedConfig(tp_size=2)`, the gradient's error at 64 micro-batches
+  against the one-pass floor (`bf16_accumulation`);
 - `pc_hsdp` (4 ranks): `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)` with Accelerate's FSDP2 plugin
   sharding a plain model.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     Trainer,
+    TrainerCallback,
 )
 from transformers.distributed import DistributedConfig  # noqa: E402
 
@@ -284,6 +288,61 @@ def refusals(route: str, out_dir: str) -> dict[str, str]:
 
 
 REDUCE_SCATTERS = ReduceScatterCounter()
+BF16_MICRO_BATCHES = 64
+
+
+class GradientCapture(TrainerCallback):
+    """The gradient the optimizer is about to step with, gathered whole in fp64 (every rank joins the gathers)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            self.grads[name] = grad.detach().double()
+
+
+def bf16_accumulation(out_dir: str) -> dict[str, float]:
+    """
+    bf16 parameters under `DistributedConfig(tp_size=2)`, `BF16_MICRO_BATCHES` micro-batches of one row: the
+    gradient each trainer steps with against the fp64 large-batch gradient (relative L2 error), and the floor, the
+    stock Trainer's single bf16 pass over all rows at once. The stock Trainer sums the micro-batches' gradients in
+    the parameters' bf16 `.grad`; `GradAccumTrainer` sums each rank's shards in fp32 and rounds once, at the end.
+    """
+    path = os.path.join(out_dir, "causal_lm")
+    rows = dataset("causal_lm", BF16_MICRO_BATCHES)
+    reference = load(path).double()
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    reference(**batch).loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    errors = {}
+    runs = (
+        ("one_pass", Trainer, BF16_MICRO_BATCHES, 1),
+        ("stock", Trainer, 1, BF16_MICRO_BATCHES),
+        ("ours", GradAccumTrainer, 1, BF16_MICRO_BATCHES),
+    )
+    for name, cls, micro, steps in runs:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=2), dtype=torch.bfloat16
+        )
+        capture = GradientCapture()
+        args = GradAccumArguments(
+            output_dir=os.path.join(out_dir, f"bf16_{name}"),
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=steps,
+            optim="sgd",
+            max_grad_norm=0.0,
+            max_steps=1,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        cls(model=model, args=args, train_dataset=rows, callbacks=[capture]).train()
+        diff = sum(float((capture.grads[n] - ref[n]).pow(2).sum()) for n in ref) ** 0.5
+        errors[name] = diff / sum(float(g.pow(2).sum()) for g in ref.values()) ** 0.5
+    return errors
 
 
 def main(out_dir: str, routes: list[str]) -> None:
@@ -292,6 +351,11 @@ def main(out_dir: str, routes: list[str]) -> None:
     lift_accelerate_device_checks()
     save_models(out_dir)
     for route in routes:
+        if route == "tp_bf16":
+            record = {"route": route, **bf16_accumulation(out_dir)}
+            if dist.get_rank() == 0:
+                (Path(out_dir) / f"{route}.json").write_text(json.dumps(record))
+            continue
         record: dict[str, Any] = {"route": route, "world_size": dist.get_world_size()}
         for model_name in MODELS:
             path = os.path.join(out_dir, model_name)
