@@ -47,7 +47,7 @@ def two_ranks(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict[str, dict]:
-    return torchrun(4, tmp_path_factory.mktemp("hsdp"), *FOUR_RANK_ROUTES)
+    return torchrun(4, tmp_path_factory.mktemp("hsdp"), *FOUR_RANK_ROUTES, "engine_tp_dp")
 
 
 def check_exact(record: dict, trainers: tuple[str, ...] = ("ours",)) -> None:
@@ -142,6 +142,16 @@ def test_tensor_parallel_with_fsdp2_matches_large_batch(four_ranks):
         assert 4 * layout["local_numel"] <= 1.1 * layout["full_numel"]  # a quarter of the model per rank
     check_stock(record, data_parallel_ranks=2)
     assert "pass `data_parallel_group`" in record["refused"]["engine_without_group"]
+
+
+def test_plain_engine_tensor_parallel_with_data_parallel_group(four_ranks):
+    """`GradientAccumulator(model, data_parallel_group=mesh["dp"].get_group())` on a 2 x 2 (`dp`, `tp`) mesh without
+    FSDP2: each window's items are the 15 rows of the two data-parallel ranks (not 30: each counted once, not once
+    per tensor-parallel rank), and the window costs one all-reduce of the buffer and one of the statistics."""
+    record = four_ranks["engine_tp_dp"]
+    assert record["relative_update_error"] <= RTOL, record
+    assert record["num_items"] == 15 and record["buffers"] == "TensorParallelGradientBuffers", record
+    assert record["window_collectives"] == 2, record
 
 
 def test_hsdp_sharded_at_load_time_refuses_once_per_window_with_fp16_recompute(four_ranks):

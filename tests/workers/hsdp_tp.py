@@ -9,6 +9,7 @@ Routes (the launch's world size must match each route's mesh):
 - `pc_tp` (2 ranks): Accelerate's `ParallelismConfig(tp_size=2)` in the arguments, on a `tp_plan="auto"` model;
 - `tp_bf16` (2 ranks): bf16 parameters under `DistributedConfig(tp_size=2)`, the gradient's error at 64 micro-batches
   against the one-pass floor (`bf16_accumulation`);
+- `engine_tp_dp` (4 ranks): the plain `GradientAccumulator` on a 2 x 2 (`dp`, `tp`) mesh (`plain_engine_tp_dp`);
 - `pc_hsdp` (4 ranks): `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)` with Accelerate's FSDP2 plugin
   sharding a plain model.
 
@@ -345,14 +346,62 @@ def bf16_accumulation(out_dir: str) -> dict[str, float]:
     return errors
 
 
+def plain_engine_tp_dp() -> dict[str, Any]:
+    """
+    The plain engine on a 2 x 2 (`dp`, `tp`) mesh without FSDP2: a Colwise/Rowwise MLP (`parallelize_module` on the
+    `tp` dimension) with a LayerNorm that stays a plain tensor on both tensor-parallel ranks, each data-parallel rank
+    on its own micro-batches of different sizes. `GradientAccumulator(..., data_parallel_group=mesh["dp"].get_group())`
+    sums the local shards and the items over the `dp` group once per window; compared with the fp64 large batch.
+    """
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from hf_gradaccum import GradientAccumulator
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+    g = torch.Generator().manual_seed(3)
+    # data[dp_rank][micro] = (inputs, classes): 1 to 4 rows per micro-batch.
+    data = [
+        [(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
+        for sizes in ((1, 4, 2), (3, 1, 4))
+    ]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(make_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    accumulator = GradientAccumulator(model, gradient_accumulation_steps=3, data_parallel_group=mesh["dp"].get_group())
+    for x, y in data[mesh.get_local_rank("dp")]:
+        accumulator.backward(nn.functional.cross_entropy(model(x), y), num_items=len(y))
+    result = accumulator.step(optimizer)
+    weights = full_parameters(model)
+
+    reference = make_model().double()
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    total = sum(len(y) for micros in data for _, y in micros)
+    loss = sum(
+        nn.functional.cross_entropy(reference(x.double()), y, reduction="sum") for micros in data for x, y in micros
+    )
+    (loss / total).backward()
+    ref = {n: (p - p.grad).detach() for n, p in reference.named_parameters()}
+    return {
+        "relative_update_error": relative_error(weights, initial, ref),
+        "num_items": result.num_items,
+        "buffers": type(accumulator.buffers).__name__,
+        "window_collectives": accumulator.num_collectives,
+    }
+
+
 def main(out_dir: str, routes: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     lift_accelerate_device_checks()
     save_models(out_dir)
     for route in routes:
-        if route == "tp_bf16":
-            record = {"route": route, **bf16_accumulation(out_dir)}
+        if route in ("tp_bf16", "engine_tp_dp"):
+            record = {"route": route, **(bf16_accumulation(out_dir) if route == "tp_bf16" else plain_engine_tp_dp())}
             if dist.get_rank() == 0:
                 (Path(out_dir) / f"{route}.json").write_text(json.dumps(record))
             continue
