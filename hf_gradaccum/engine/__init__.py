@@ -8,6 +8,8 @@
   side stream and a host thread, so the GPU holds about one parameter's gradient at a time;
 - `fsdp2/`: the FSDP2 strategy: the sharded buffers, when FSDP2 reduce-scatters during a window, and mid-window
   checkpoints through `torch.distributed.checkpoint`;
+- `tensor_parallel.py`: tensor-parallel `DTensor` parameters without FSDP2 (local shards in fp32, reduced once per
+  window over the data-parallel group only, since a tensor-parallel group shares its batch);
 - `model_inspection.py`: whether a model's loss shifts its labels (causal LM), by duck typing, for `batch=` counting;
 - `window.py`: per-window bookkeeping and the `WindowResult` it ends with;
 - `recompute.py`: fp16 overflow handling that redoes only the overflowing micro-batch;

@@ -208,8 +208,9 @@ class OffloadedGradientBuffers(FlatGradientBuffers):
         return super().all_finite()
 
     def all_reduce_(self, group: torch.distributed.ProcessGroup | None = None) -> int:
-        """Sum the host buffers over `group`'s ranks: directly where the group reduces host memory (gloo), else through the
-        GPU in chunks of [`ALL_REDUCE_CHUNK_NUMEL`] elements. Returns the number of collectives."""
+        """Sum the host buffers over `group`'s ranks (every rank's when `None`): directly where the group reduces host
+        memory (gloo), else through the GPU in chunks of [`ALL_REDUCE_CHUNK_NUMEL`] elements. Returns the number of
+        collectives."""
         self.synchronize()
         on_host = self.reduce_on_host if self.reduce_on_host is not None else group_reduces_host_memory()
         if on_host:

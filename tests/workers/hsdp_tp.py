@@ -7,6 +7,9 @@ Routes (the launch's world size must match each route's mesh):
 - `tp` (2 ranks): `DistributedConfig(tp_size=2)`; `tp_plan_auto` (2 ranks): `from_pretrained(..., tp_plan="auto")`;
 - `tp_fsdp` (4 ranks): `DistributedConfig(tp_size=2, fsdp_size=2)`;
 - `pc_tp` (2 ranks): Accelerate's `ParallelismConfig(tp_size=2)` in the arguments, on a `tp_plan="auto"` model;
+- `tp_bf16` (2 ranks): bf16 parameters under `DistributedConfig(tp_size=2)`, the gradient's error at 64 micro-batches
+  against the one-pass floor (`bf16_accumulation`);
+- `engine_tp_dp` (4 ranks): the plain `GradientAccumulator` on a 2 x 2 (`dp`, `tp`) mesh (`plain_engine_tp_dp`);
 - `pc_hsdp` (4 ranks): `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)` with Accelerate's FSDP2 plugin
   sharding a plain model.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     Trainer,
+    TrainerCallback,
 )
 from transformers.distributed import DistributedConfig  # noqa: E402
 
@@ -284,6 +289,109 @@ def refusals(route: str, out_dir: str) -> dict[str, str]:
 
 
 REDUCE_SCATTERS = ReduceScatterCounter()
+BF16_MICRO_BATCHES = 64
+
+
+class GradientCapture(TrainerCallback):
+    """The gradient the optimizer is about to step with, gathered whole in fp64 (every rank joins the gathers)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            self.grads[name] = grad.detach().double()
+
+
+def bf16_accumulation(out_dir: str) -> dict[str, float]:
+    """
+    bf16 parameters under `DistributedConfig(tp_size=2)`, `BF16_MICRO_BATCHES` micro-batches of one row: the
+    gradient each trainer steps with against the fp64 large-batch gradient (relative L2 error), and the floor, the
+    stock Trainer's single bf16 pass over all rows at once. The stock Trainer sums the micro-batches' gradients in
+    the parameters' bf16 `.grad`; `GradAccumTrainer` sums each rank's shards in fp32 and rounds once, at the end.
+    """
+    path = os.path.join(out_dir, "causal_lm")
+    rows = dataset("causal_lm", BF16_MICRO_BATCHES)
+    reference = load(path).double()
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    reference(**batch).loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    errors = {}
+    runs = (
+        ("one_pass", Trainer, BF16_MICRO_BATCHES, 1),
+        ("stock", Trainer, 1, BF16_MICRO_BATCHES),
+        ("ours", GradAccumTrainer, 1, BF16_MICRO_BATCHES),
+    )
+    for name, cls, micro, steps in runs:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=2), dtype=torch.bfloat16
+        )
+        capture = GradientCapture()
+        args = GradAccumArguments(
+            output_dir=os.path.join(out_dir, f"bf16_{name}"),
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=steps,
+            optim="sgd",
+            max_grad_norm=0.0,
+            max_steps=1,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        cls(model=model, args=args, train_dataset=rows, callbacks=[capture]).train()
+        diff = sum(float((capture.grads[n] - ref[n]).pow(2).sum()) for n in ref) ** 0.5
+        errors[name] = diff / sum(float(g.pow(2).sum()) for g in ref.values()) ** 0.5
+    return errors
+
+
+def plain_engine_tp_dp() -> dict[str, Any]:
+    """
+    The plain engine on a 2 x 2 (`dp`, `tp`) mesh without FSDP2: a Colwise/Rowwise MLP (`parallelize_module` on the
+    `tp` dimension) with a LayerNorm that stays a plain tensor on both tensor-parallel ranks, each data-parallel rank
+    on its own micro-batches of different sizes. `GradientAccumulator(..., data_parallel_group=mesh["dp"].get_group())`
+    sums the local shards and the items over the `dp` group once per window; compared with the fp64 large batch.
+    """
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from hf_gradaccum import GradientAccumulator
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+    g = torch.Generator().manual_seed(3)
+    # data[dp_rank][micro] = (inputs, classes): 1 to 4 rows per micro-batch.
+    data = [
+        [(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
+        for sizes in ((1, 4, 2), (3, 1, 4))
+    ]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(make_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    accumulator = GradientAccumulator(model, gradient_accumulation_steps=3, data_parallel_group=mesh["dp"].get_group())
+    for x, y in data[mesh.get_local_rank("dp")]:
+        accumulator.backward(nn.functional.cross_entropy(model(x), y), num_items=len(y))
+    result = accumulator.step(optimizer)
+    weights = full_parameters(model)
+
+    reference = make_model().double()
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    total = sum(len(y) for micros in data for _, y in micros)
+    loss = sum(
+        nn.functional.cross_entropy(reference(x.double()), y, reduction="sum") for micros in data for x, y in micros
+    )
+    (loss / total).backward()
+    ref = {n: (p - p.grad).detach() for n, p in reference.named_parameters()}
+    return {
+        "relative_update_error": relative_error(weights, initial, ref),
+        "num_items": result.num_items,
+        "buffers": type(accumulator.buffers).__name__,
+        "window_collectives": accumulator.num_collectives,
+    }
 
 
 def main(out_dir: str, routes: list[str]) -> None:
@@ -292,6 +400,11 @@ def main(out_dir: str, routes: list[str]) -> None:
     lift_accelerate_device_checks()
     save_models(out_dir)
     for route in routes:
+        if route in ("tp_bf16", "engine_tp_dp"):
+            record = {"route": route, **(bf16_accumulation(out_dir) if route == "tp_bf16" else plain_engine_tp_dp())}
+            if dist.get_rank() == 0:
+                (Path(out_dir) / f"{route}.json").write_text(json.dumps(record))
+            continue
         record: dict[str, Any] = {"route": route, "world_size": dist.get_world_size()}
         for model_name in MODELS:
             path = os.path.join(out_dir, model_name)

@@ -259,9 +259,9 @@ def gradient_buffers_for(
         return OffloadedGradientBuffers(parameters, dtype) if offload else FlatGradientBuffers(parameters, dtype)
     if offload:
         raise ValueError(
-            "`offload_accumulation_buffer=True` is for replicated parameters (one device, DDP); this is an FSDP2 "
-            "model, whose accumulation buffer is already sharded (1/world_size per rank on the GPU). Set "
-            "`offload_accumulation_buffer=False`."
+            "`offload_accumulation_buffer=True` is for replicated parameters (one device, DDP); this is an FSDP2 or "
+            "tensor-parallel model, whose accumulation buffer is already sharded (each rank holds its shards on the "
+            "GPU). Set `offload_accumulation_buffer=False`."
         )
     # `refuse_sharded_engines` already refused DTensor parameters passed without their module.
     fsdp_modules = prepare_fsdp2_for_summing(model)
