@@ -130,6 +130,9 @@ class GradAccumTrainer(Trainer):
     _hand_over: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Under DeepSpeed: the weight of each micro-batch's loss handed to its engine (`adapters/deepspeed.py`).
     _deepspeed_window: DeepSpeedWindow | None = None
+    # What `_get_accumulator` and `_install_loss_handover` decided last (asked at every micro-batch).
+    _accumulator_model: nn.Module | None = None
+    _handover_decided: tuple[Any, GradientAccumulator | None] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -258,8 +261,13 @@ class GradAccumTrainer(Trainer):
         )
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:
-        params = [p for p in model.parameters() if p.requires_grad]
         acc = self.accumulator
+        if acc is not None and acc.micro_steps_in_window and self._accumulator_model is model:
+            # Mid-window the parameters cannot have changed: walking `model.parameters()` for every micro-batch
+            # costs more than a small model's forward.
+            return acc
+        self._accumulator_model = model
+        params = [p for p in model.parameters() if p.requires_grad]
         if acc is None or [id(p) for p in acc.parameters] != [id(p) for p in params]:
             state = None if acc is None else acc.state_dict()
             if acc is not None:
@@ -624,6 +632,12 @@ class GradAccumTrainer(Trainer):
         in the stock Trainer: the parent's backward of its own loss is what the accumulator folds. Installed again if
         the Accelerator was re-created (a hyperparameter search does).
         """
+        # Asked at every micro-batch: decided once per (Accelerator, accumulator), since the answer reads every
+        # parameter (`trainer_shards_gradients`).
+        decided = self._handover_decided
+        if decided is not None and decided[0] is self.accelerator and decided[1] is accumulator:
+            return
+        self._handover_decided = (self.accelerator, accumulator)
         loss_scaling = self.args.fp16 or (self.args.bf16 and gradaccum_option(self.args, "bf16_loss_scaling"))
         # At construction, before any checkpoint is resumed: the Trainer saves and loads `scaler.pt` when the
         # Accelerator has a scaler, so it must be there from the start whenever it is there at all.
