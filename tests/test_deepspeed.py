@@ -8,7 +8,8 @@ batch (fp64). The stock Trainer's error is recorded next to ours: it must show t
 `**kwargs`, so the Trainer neither divides by the accumulation steps nor stops multiplying by the ranks), so that the
 comparison is known to detect a wrong update.
 
-Run with `pytest -m deepspeed tests/test_deepspeed.py` (excluded from `make test`; CI runs it in `.ci/deepspeed`).
+Run with `pytest -m deepspeed tests/test_deepspeed.py` (`-s` prints every record; excluded from `make test`; CI runs it
+in `.ci/deepspeed`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ def _run(tmp_path_factory, mode: str, config: str) -> dict[str, dict]:
         env=DS_ENV,
         timeout=900,
     )
-    return {record["case"]: record for record in json.loads(out.read_text())}
+    records = json.loads(out.read_text())
+    # `pytest -s` shows every figure docs/engines.md quotes.
+    for record in records:
+        figures = {k: record[k] for k in ("trainer", "stage", "offload", "precision", "error") if k in record}
+        print(f"{mode}: {record['case']}: {figures}")
+    return {record["case"]: record for record in records}
 
 
 @pytest.fixture(scope="module")

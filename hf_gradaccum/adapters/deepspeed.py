@@ -274,7 +274,7 @@ class DeepSpeedWindow:
             )
         return loss
 
-    def weight(self, loss: torch.Tensor, engine: Any, scale_wrt_gas: bool) -> torch.Tensor:
+    def _weighted(self, loss: torch.Tensor, engine: Any, scale_wrt_gas: bool) -> torch.Tensor:
         """`loss` as DeepSpeed must receive it for the window's sum to be the large batch's gradient."""
         self._handed_over += 1
         if self._micro_items is None:
@@ -305,7 +305,7 @@ class _WeightedEngine:
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
         scale_wrt_gas = kwargs.get("scale_wrt_gas", True)
-        weighted = self.window.weight(loss, self.inner.engine, scale_wrt_gas)
+        weighted = self.window._weighted(loss, self.inner.engine, scale_wrt_gas)
         self.inner.backward(weighted, sync_gradients=sync_gradients, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
