@@ -84,6 +84,23 @@ def test_parity_with_a_partial_last_window(records, stage):
     assert ours["error"] <= TOL, ours
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parity_with_clipping(records, stage):
+    """`max_grad_norm=0.5` below the large batch's gradient norm (0.77): DeepSpeed clips the window's summed gradient,
+    as the large batch's is clipped."""
+    ours = records[f"zero{stage}_clip_gpt2_GradAccumTrainer"]
+    assert ours["clipped_norm"] == 0.5, ours
+    assert ours["error"] <= TOL, ours
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parity_when_deepspeed_divides_by_its_accumulation_steps(records, stage):
+    """Without the Trainer's `scale_wrt_gas=False`, DeepSpeed divides each loss by its accumulation steps; the weight
+    undoes that."""
+    ours = records[f"zero{stage}_scale_wrt_gas_bert_GradAccumTrainer"]
+    assert ours["error"] <= TOL, ours
+
+
 @pytest.mark.parametrize("model", ["bert", "gpt2"])
 def test_parity_zero3_with_optimizer_and_parameter_offload(records, model):
     record = records[f"zero3_offload_{model}_GradAccumTrainer"]
