@@ -152,13 +152,17 @@ def test_what_cannot_run_under_deepspeed_is_refused_at_construction(records, opt
 
 
 def test_partitions_are_the_engines_own(records):
-    """GradAccumTrainer adds no tensor under DeepSpeed: each rank holds what the stock Trainer's engine holds."""
+    """GradAccumTrainer adds no tensor under DeepSpeed: each rank holds what the stock Trainer's engine holds, at the
+    same accumulation steps and without accumulation (GA 1, the window as one micro-batch)."""
     for stage in (1, 2, 3):
         for model in ("bert", "gpt2"):
             ours = records[f"zero{stage}_{model}_GradAccumTrainer"]["partition_numel"]
             stock = records[f"zero{stage}_{model}_Trainer"]["partition_numel"]
             assert ours == stock, (stage, model, ours, stock)
             assert ours["fp32_master"] * 2 >= ours["total"] > ours["fp32_master"], ours  # ZeRO: half per rank
+        one_pass = records[f"zero{stage}_bert_Trainer_ga1"]
+        assert one_pass["optimizer_steps"] == 1, one_pass
+        assert one_pass["partition_numel"] == records[f"zero{stage}_bert_GradAccumTrainer"]["partition_numel"]
 
 
 @pytest.mark.parametrize("model", ["bert", "gpt2"])

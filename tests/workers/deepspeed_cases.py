@@ -279,6 +279,22 @@ def main(out_json: str, mode: str, workdir: str) -> None:
                 for trainer_cls, args_cls in ((Trainer, TrainingArguments), (GradAccumTrainer, GradAccumArguments)):
                     name = f"zero{stage}_{model_name}_{trainer_cls.__name__}"
                     records.append(parity_case(name, stage, trainer_cls, args_cls, model, data, workdir))
+            # The engine without accumulation: the stock Trainer at GA 1, the window as one micro-batch of 8 per rank.
+            model, data = cases["bert"]
+            name, one_pass = f"zero{stage}_bert_Trainer_ga1", {"per_device_train_batch_size": 8}
+            records.append(
+                parity_case(
+                    name,
+                    stage,
+                    Trainer,
+                    TrainingArguments,
+                    model,
+                    data,
+                    workdir,
+                    gradient_accumulation_steps=1,
+                    **one_pass,
+                )
+            )
         model, data = cases["gpt2"]
         partial = data.select(list(range(SAMPLES)) + list(range(SAMPLES // 2)))  # windows of 16 and 8 samples
         for stage in (2, 3):
