@@ -31,13 +31,32 @@ LOW_PRECISION_ACCUMULATION = ("fp16", "float16", "half", "bf16", "bfloat16")
 
 
 def deepspeed_enabled(trainer: Any) -> bool:
-    """Whether `trainer` trains under DeepSpeed (`TrainingArguments(deepspeed=...)` or an Accelerate DeepSpeed
-    config)."""
+    """
+    Whether `trainer` trains under DeepSpeed (`TrainingArguments(deepspeed=...)` or an Accelerate DeepSpeed config).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.deepspeed import deepspeed_enabled
+    >>> deepspeed_enabled(trainer)  # doctest: +SKIP
+    True
+    ```
+    """
     return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer.args, "deepspeed", None))
 
 
 def deepspeed_config(trainer: Any) -> dict[str, Any]:
-    """The DeepSpeed configuration dict the engine will be built from (with the Trainer's "auto" values filled in)."""
+    """
+    The DeepSpeed configuration dict the engine will be built from (with the Trainer's "auto" values filled in).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.deepspeed import deepspeed_config
+    >>> deepspeed_config(trainer)["zero_optimization"]["stage"]  # doctest: +SKIP
+    2
+    ```
+    """
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
         return plugin.deepspeed_config
