@@ -76,7 +76,8 @@ def check_deepspeed(trainer: Any) -> None:
 
     ```python
     >>> from hf_gradaccum.adapters.deepspeed import check_deepspeed
-    >>> check_deepspeed(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__ under DeepSpeed)
+    >>> # called by GradAccumTrainer.__init__ under DeepSpeed
+    >>> check_deepspeed(trainer)  # doctest: +SKIP
     ```
     """
     args = trainer.args
@@ -246,8 +247,9 @@ class DeepSpeedWindow:
 
     ```python
     >>> from hf_gradaccum.adapters.deepspeed import DeepSpeedWindow
-    >>> window = DeepSpeedWindow(trainer)  # doctest: +SKIP  (GradAccumTrainer builds it under DeepSpeed)
-    >>> window.window_prefetched(local_items=37.0)  # doctest: +SKIP  (one all-reduce per window)
+    >>> # GradAccumTrainer builds it under DeepSpeed; one all-reduce per window:
+    >>> window = DeepSpeedWindow(trainer)  # doctest: +SKIP
+    >>> window.window_prefetched(local_items=37.0)  # doctest: +SKIP
     ```
     """
 
