@@ -8,7 +8,8 @@ batch (fp64). The stock Trainer's error is recorded next to ours: it must show t
 `**kwargs`, so the Trainer neither divides by the accumulation steps nor stops multiplying by the ranks), so that the
 comparison is known to detect a wrong update.
 
-Run with `pytest -m deepspeed tests/test_deepspeed.py` (excluded from `make test`; CI runs it in `.ci/deepspeed`).
+Run with `pytest -m deepspeed tests/test_deepspeed.py` (`-s` prints every record; excluded from `make test`; CI runs it
+in `.ci/deepspeed`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ def _run(tmp_path_factory, mode: str, config: str) -> dict[str, dict]:
         env=DS_ENV,
         timeout=900,
     )
-    return {record["case"]: record for record in json.loads(out.read_text())}
+    records = json.loads(out.read_text())
+    # `pytest -s` shows every figure docs/engines.md quotes.
+    for record in records:
+        figures = {k: record[k] for k in ("trainer", "stage", "offload", "precision", "error") if k in record}
+        print(f"{mode}: {record['case']}: {figures}")
+    return {record["case"]: record for record in records}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,23 @@ def test_parity_with_a_partial_last_window(records, stage):
     """24 samples: a window of 16, then one of 8 (2 micro-batches per rank) at the end of the epoch."""
     ours = records[f"zero{stage}_partial_gpt2_GradAccumTrainer"]
     assert ours["optimizer_steps"] == 2, ours
+    assert ours["error"] <= TOL, ours
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parity_with_clipping(records, stage):
+    """`max_grad_norm=0.5` below the large batch's gradient norm (0.77): DeepSpeed clips the window's summed gradient,
+    as the large batch's is clipped."""
+    ours = records[f"zero{stage}_clip_gpt2_GradAccumTrainer"]
+    assert ours["clipped_norm"] == 0.5, ours
+    assert ours["error"] <= TOL, ours
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parity_when_deepspeed_divides_by_its_accumulation_steps(records, stage):
+    """Without the Trainer's `scale_wrt_gas=False`, DeepSpeed divides each loss by its accumulation steps; the weight
+    undoes that."""
+    ours = records[f"zero{stage}_scale_wrt_gas_bert_GradAccumTrainer"]
     assert ours["error"] <= TOL, ours
 
 
@@ -129,13 +152,17 @@ def test_what_cannot_run_under_deepspeed_is_refused_at_construction(records, opt
 
 
 def test_partitions_are_the_engines_own(records):
-    """GradAccumTrainer adds no tensor under DeepSpeed: each rank holds what the stock Trainer's engine holds."""
+    """GradAccumTrainer adds no tensor under DeepSpeed: each rank holds what the stock Trainer's engine holds, at the
+    same accumulation steps and without accumulation (GA 1, the window as one micro-batch)."""
     for stage in (1, 2, 3):
         for model in ("bert", "gpt2"):
             ours = records[f"zero{stage}_{model}_GradAccumTrainer"]["partition_numel"]
             stock = records[f"zero{stage}_{model}_Trainer"]["partition_numel"]
             assert ours == stock, (stage, model, ours, stock)
             assert ours["fp32_master"] * 2 >= ours["total"] > ours["fp32_master"], ours  # ZeRO: half per rank
+        one_pass = records[f"zero{stage}_bert_Trainer_ga1"]
+        assert one_pass["optimizer_steps"] == 1, one_pass
+        assert one_pass["partition_numel"] == records[f"zero{stage}_bert_GradAccumTrainer"]["partition_numel"]
 
 
 @pytest.mark.parametrize("model", ["bert", "gpt2"])

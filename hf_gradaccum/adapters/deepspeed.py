@@ -31,13 +31,32 @@ LOW_PRECISION_ACCUMULATION = ("fp16", "float16", "half", "bf16", "bfloat16")
 
 
 def deepspeed_enabled(trainer: Any) -> bool:
-    """Whether `trainer` trains under DeepSpeed (`TrainingArguments(deepspeed=...)` or an Accelerate DeepSpeed
-    config)."""
+    """
+    Whether `trainer` trains under DeepSpeed (`TrainingArguments(deepspeed=...)` or an Accelerate DeepSpeed config).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.deepspeed import deepspeed_enabled
+    >>> deepspeed_enabled(trainer)  # doctest: +SKIP
+    True
+    ```
+    """
     return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer.args, "deepspeed", None))
 
 
 def deepspeed_config(trainer: Any) -> dict[str, Any]:
-    """The DeepSpeed configuration dict the engine will be built from (with the Trainer's "auto" values filled in)."""
+    """
+    The DeepSpeed configuration dict the engine will be built from (with the Trainer's "auto" values filled in).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.deepspeed import deepspeed_config
+    >>> deepspeed_config(trainer)["zero_optimization"]["stage"]  # doctest: +SKIP
+    2
+    ```
+    """
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
         return plugin.deepspeed_config
@@ -57,7 +76,8 @@ def check_deepspeed(trainer: Any) -> None:
 
     ```python
     >>> from hf_gradaccum.adapters.deepspeed import check_deepspeed
-    >>> check_deepspeed(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__ under DeepSpeed)
+    >>> # called by GradAccumTrainer.__init__ under DeepSpeed
+    >>> check_deepspeed(trainer)  # doctest: +SKIP
     ```
     """
     args = trainer.args
@@ -227,8 +247,9 @@ class DeepSpeedWindow:
 
     ```python
     >>> from hf_gradaccum.adapters.deepspeed import DeepSpeedWindow
-    >>> window = DeepSpeedWindow(trainer)  # doctest: +SKIP  (GradAccumTrainer builds it under DeepSpeed)
-    >>> window.window_prefetched(local_items=37.0)  # doctest: +SKIP  (one all-reduce per window)
+    >>> # GradAccumTrainer builds it under DeepSpeed; one all-reduce per window:
+    >>> window = DeepSpeedWindow(trainer)  # doctest: +SKIP
+    >>> window.window_prefetched(local_items=37.0)  # doctest: +SKIP
     ```
     """
 
@@ -274,7 +295,7 @@ class DeepSpeedWindow:
             )
         return loss
 
-    def weight(self, loss: torch.Tensor, engine: Any, scale_wrt_gas: bool) -> torch.Tensor:
+    def _weighted(self, loss: torch.Tensor, engine: Any, scale_wrt_gas: bool) -> torch.Tensor:
         """`loss` as DeepSpeed must receive it for the window's sum to be the large batch's gradient."""
         self._handed_over += 1
         if self._micro_items is None:
@@ -305,7 +326,7 @@ class _WeightedEngine:
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
         scale_wrt_gas = kwargs.get("scale_wrt_gas", True)
-        weighted = self.window.weight(loss, self.inner.engine, scale_wrt_gas)
+        weighted = self.window._weighted(loss, self.inner.engine, scale_wrt_gas)
         self.inner.backward(weighted, sync_gradients=sync_gradients, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -105,16 +105,18 @@ def partition_numel(engine) -> dict:
     }
 
 
-def large_batch_steps(model: torch.nn.Module, data) -> torch.Tensor:
-    """One SGD(lr=1) step per window, each on the window's samples as one batch, in fp64: the update to match. A
-    window is 16 consecutive samples (GA 4 x micro-batch 2 x 2 ranks); the last one may be shorter (the end of an
-    epoch)."""
+def large_batch_steps(model: torch.nn.Module, data, max_grad_norm: float = 0.0) -> torch.Tensor:
+    """One SGD(lr=1) step per window, each on the window's samples as one batch, in fp64, its gradient clipped to
+    `max_grad_norm` when > 0: the update to match. A window is 16 consecutive samples (GA 4 x micro-batch 2 x 2 ranks);
+    the last one may be shorter (the end of an epoch)."""
     model = copy.deepcopy(model).double().train()
     window = MICRO * STEPS * 2
     for start in range(0, len(data), window):
         batch = default_data_collator([data[i] for i in range(start, min(start + window, len(data)))])
         model.zero_grad()
         model(**batch).loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         with torch.no_grad():
             for p in model.parameters():
                 p -= p.grad
@@ -131,7 +133,12 @@ def shipped_config(stage: int, offload: bool = False) -> str:
     return f"configs/deepspeed/zero{stage}{'_offload' if offload else ''}.json"
 
 
-def parity_case(name, stage, trainer_cls, args_cls, model, data, workdir, ds=True, offload=False, **overrides) -> dict:
+def parity_case(
+    name, stage, trainer_cls, args_cls, model, data, workdir, ds=True, offload=False, scale_wrt_gas=False, **overrides
+) -> dict:
+    """Train one epoch under DeepSpeed and compare the update with `large_batch_steps`. `scale_wrt_gas=True`: the
+    Trainer's `scale_wrt_gas=False` is dropped on its way to DeepSpeed, which then divides each loss by its
+    accumulation steps itself (what a caller other than the Trainer gets)."""
     reset_accelerate()
     start = time.time()
     config = shipped_config(stage, offload) if ds else None
@@ -139,9 +146,12 @@ def parity_case(name, stage, trainer_cls, args_cls, model, data, workdir, ds=Tru
     initial = torch.cat([p.detach().flatten().double() for p in model.parameters()])
     trainer = trainer_cls(model=copy.deepcopy(model), args=args, train_dataset=data)
     assert trainer.is_deepspeed_enabled
+    if scale_wrt_gas:
+        backward = trainer.accelerator.backward
+        trainer.accelerator.backward = lambda loss, scale_wrt_gas=None, **kwargs: backward(loss, **kwargs)
     trainer.train()
     after = full_params(trainer.model)
-    reference = large_batch_steps(model, data)
+    reference = large_batch_steps(model, data, args.max_grad_norm)
     error = float(((after - initial) - (reference - initial)).norm() / (reference - initial).norm())
     engine = trainer.model_wrapped
     config = engine.config
@@ -155,6 +165,7 @@ def parity_case(name, stage, trainer_cls, args_cls, model, data, workdir, ds=Tru
         "engine": type(engine).__name__,
         "trainer": trainer_cls.__name__,
         "error": error,
+        "clipped_norm": args.max_grad_norm,
         "optimizer_steps": trainer.state.global_step,
         "seconds": round(time.time() - start, 1),
     }
@@ -268,12 +279,41 @@ def main(out_json: str, mode: str, workdir: str) -> None:
                 for trainer_cls, args_cls in ((Trainer, TrainingArguments), (GradAccumTrainer, GradAccumArguments)):
                     name = f"zero{stage}_{model_name}_{trainer_cls.__name__}"
                     records.append(parity_case(name, stage, trainer_cls, args_cls, model, data, workdir))
+            # The engine without accumulation: the stock Trainer at GA 1, the window as one micro-batch of 8 per rank.
+            model, data = cases["bert"]
+            name, one_pass = f"zero{stage}_bert_Trainer_ga1", {"per_device_train_batch_size": 8}
+            records.append(
+                parity_case(
+                    name,
+                    stage,
+                    Trainer,
+                    TrainingArguments,
+                    model,
+                    data,
+                    workdir,
+                    gradient_accumulation_steps=1,
+                    **one_pass,
+                )
+            )
         model, data = cases["gpt2"]
         partial = data.select(list(range(SAMPLES)) + list(range(SAMPLES // 2)))  # windows of 16 and 8 samples
         for stage in (2, 3):
             for trainer_cls, args_cls in ((Trainer, TrainingArguments), (GradAccumTrainer, GradAccumArguments)):
                 name = f"zero{stage}_partial_gpt2_{trainer_cls.__name__}"
                 records.append(parity_case(name, stage, trainer_cls, args_cls, model, partial, workdir))
+        for stage in (2, 3):
+            name = f"zero{stage}_clip_gpt2_GradAccumTrainer"  # DeepSpeed clips the window's summed gradient
+            records.append(
+                parity_case(name, stage, GradAccumTrainer, GradAccumArguments, model, data, workdir, max_grad_norm=0.5)
+            )
+        bert, bert_data = cases["bert"]
+        for stage in (1, 3):
+            name = f"zero{stage}_scale_wrt_gas_bert_GradAccumTrainer"
+            records.append(
+                parity_case(
+                    name, stage, GradAccumTrainer, GradAccumArguments, bert, bert_data, workdir, scale_wrt_gas=True
+                )
+            )
         for stage in (1, 2, 3):
             name = f"zero{stage}_bf16_gpt2_GradAccumTrainer"
             model, data = cases["gpt2"]
