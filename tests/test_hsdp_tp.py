@@ -2,7 +2,8 @@
 (`tests/workers/hsdp_tp.py`): `GradAccumTrainer` at gradient accumulation 3 equals the hand-computed large batch on
 the same samples (1e-5 relative) for a causal LM with rows of different lengths and a sequence classifier (on the FSDP2 routes also
 with `fsdp_reduce_schedule="once_per_window"`), and the stock `Trainer`'s error on the same run is recorded. Two launches: 2 ranks (tensor parallelism) and 4 ranks (HSDP,
-tensor parallelism x FSDP2); each trains every route and both trainers in one process group.
+tensor parallelism x FSDP2); each trains every route and both trainers in one process group. The same launches
+also train TRL's `SFTTrainer` composed with ours and a PEFT LoRA model under HSDP and tensor parallelism.
 
 On CPU, Accelerate refuses a `ParallelismConfig` and FSDP by device checks alone; the worker lifts exactly those
 (`lift_accelerate_device_checks`, `use_accelerate_fsdp2_on_cpu`), and everything behind them runs.
@@ -159,6 +160,45 @@ def test_hsdp_sharded_at_load_time_refuses_once_per_window_with_fp16_recompute(f
     micro-batch could not be redone alone."""
     refused = four_ranks["hsdp"]["refused"]
     assert "with fp16 needs `overflow_policy='skip'`" in refused["once_per_window_fp16_recompute"]
+
+
+@pytest.mark.parametrize(
+    ("route", "case", "mesh", "buffers"),
+    [
+        ("hsdp", "sft", "dp_replicate,fsdp", "ShardedGradientBuffers"),
+        ("tp", "sft", "tp", "TensorParallelGradientBuffers"),
+        ("pc_hsdp", "lora", "dp_replicate,dp_shard_cp", "ShardedGradientBuffers"),
+        ("tp", "lora", "tp", "TensorParallelGradientBuffers"),
+    ],
+)
+def test_composed_sft_and_lora_match_large_batch(two_ranks, four_ranks, route, case, mesh, buffers):
+    """`class SFTGradAccum(GradAccumTrainer, SFTTrainer)` on the causal LM's rows (unpadded; TRL's collator pads
+    them) and a PEFT LoRA model (q/v projections): ours equals the large batch, and so does the stock trainer (both
+    losses take `num_items_in_batch`). Under HSDP the LoRA model is the one Accelerate's FSDP2 plugin shards (the
+    adapters are `DTensor`s like the base weights); under tensor parallelism PEFT lays `lora_B` out on the `tp` mesh
+    and `lora_A` stays a plain tensor on both ranks."""
+    record = (two_ranks if route == "tp" else four_ranks)[route]
+    for trainer in ("stock", "ours"):
+        assert isinstance(record[f"{case}/{trainer}"], float), record[f"{case}/{trainer}"]
+        assert record[f"{case}/{trainer}"] <= RTOL, (route, case, trainer, record[f"{case}/{trainer}"])
+    layout = record[f"{case}/ours/layout"]
+    assert layout["meshes"] == [mesh] and layout["buffers"] == buffers, layout
+    assert layout["buffer_dtype"] == "torch.float32"
+    assert layout["buffer_numel"] == layout["local_numel"] < layout["full_numel"], layout
+    if route == "tp":
+        assert layout["window_collectives"] == 0, layout  # both ranks see the same batch: nothing to sum
+
+
+def test_adapter_attached_after_load_time_fsdp2_is_refused(four_ranks):
+    """`get_peft_model` on a model `DistributedConfig(dp_replicate_size=2, fsdp_size=2)` sharded at load time: PEFT
+    sizes `lora_B` from the local shard (8 rows of 16), so the stock Trainer's forward fails; ours refuses at
+    construction, saying to attach the adapter before sharding (Accelerate's FSDP2 plugin, measured exact above)."""
+    record = four_ranks["hsdp"]
+    assert "must match the size of tensor b (8)" in record["lora/stock"], record["lora/stock"]
+    refused = record["lora/ours"]
+    prefix = "ValueError: GradAccumTrainer does not support trainable parameters added after"
+    assert refused.startswith(prefix), refused
+    assert "lora_A.default.weight" in refused and "Attach the adapter before sharding" in refused, refused
 
 
 @pytest.mark.parametrize("name", ["cp", "sp"])

@@ -14,7 +14,9 @@ window's last (`set_requires_gradient_sync(False)`, with HSDP `set_requires_all_
 `fsdp_reduce_schedule` (`engine/fsdp2/schedule.py`), so both routes reduce the same way.
 
 Context and sequence parallelism split one sequence's tokens over ranks; how their loss and items would be weighted
-has not been checked, so they are refused before training.
+has not been checked, so they are refused before training. So are trainable parameters added after load-time FSDP2
+sharding (a PEFT adapter on a `DistributedConfig(fsdp_size=...)` model): attach the adapter first and let Accelerate's
+FSDP2 plugin shard the PEFT model.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def sharded_at_load_time(trainer: Any) -> bool:
 
 def check_trainer_parallelism(trainer: Any) -> None:
     """
-    Refuse context and sequence parallelism (Accelerate's `ParallelismConfig(cp_size=...)` / `sp_size=...`) with the
-    reason and what to use instead.
+    Refuse context and sequence parallelism (Accelerate's `ParallelismConfig(cp_size=...)` / `sp_size=...`), and
+    trainable parameters FSDP2 did not shard on a model sharded at load time
+    ([`refuse_adapters_after_load_time_fsdp2`]), with the reason and what to use instead.
 
     Example:
 
@@ -41,6 +44,7 @@ def check_trainer_parallelism(trainer: Any) -> None:
     >>> check_trainer_parallelism(trainer)  # doctest: +SKIP  (called by GradAccumTrainer.__init__)
     ```
     """
+    refuse_adapters_after_load_time_fsdp2(trainer)
     config = getattr(trainer.accelerator, "parallelism_config", None)
     if config is None:
         return
@@ -52,6 +56,32 @@ def check_trainer_parallelism(trainer: Any) -> None:
                 "losses are weighted has not been verified against the large batch. Use `cp_size=1` and `sp_size=1` "
                 "(data, tensor and HSDP parallelism are supported), or the stock Trainer."
             )
+
+
+def refuse_adapters_after_load_time_fsdp2(trainer: Any) -> None:
+    """
+    Refuse trainable parameters that `fully_shard` did not shard on a model FSDP2-sharded at load time
+    (`DistributedConfig(fsdp_size=..., dp_replicate_size=...)`): a PEFT adapter attached after `from_pretrained`.
+    PEFT sizes each adapter from the sharded base layer's local shard (a `lora_B` of 8 rows for a 16-row projection on
+    2 shards; measured), so the forward fails; and the Trainer averages such plain parameters' gradients over all
+    ranks in a hook of its own, outside the accumulator's item weighting, which nothing here has verified exact.
+    Refused at construction rather than left to fail (or not) in the first forward. Tensor parallelism without FSDP2
+    is not refused: PEFT lays the adapters out on the `tp` mesh, and that trains the large batch (measured).
+    """
+    from ..engine.fsdp2.buffers import fsdp2_modules, is_dtensor
+
+    if not sharded_at_load_time(trainer) or not fsdp2_modules(trainer.model):
+        return
+    plain = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not is_dtensor(p)]
+    if plain:
+        raise ValueError(
+            f"GradAccumTrainer does not support trainable parameters added after `from_pretrained(..., "
+            f"distributed_config=...)` sharded the model with FSDP2: {plain[:3]}{' ...' if len(plain) > 3 else ''}. "
+            "`fully_shard` did not shard them (PEFT sizes such adapters from each rank's local shard, so the forward "
+            "fails, and their gradients would be averaged outside the accumulator). Attach the adapter before "
+            "sharding: load without `distributed_config`, call `get_peft_model`, and shard with Accelerate's FSDP2 "
+            "plugin (`fsdp_version: 2`, with `ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)` for HSDP)."
+        )
 
 
 def data_parallel_group(trainer: Any) -> Any | None:

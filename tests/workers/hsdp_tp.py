@@ -13,6 +13,10 @@ Routes (the launch's world size must match each route's mesh):
 - `pc_hsdp` (4 ranks): `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)` with Accelerate's FSDP2 plugin
   sharding a plain model.
 
+On `hsdp` and `tp` also TRL's `SFTTrainer` composed (`class SFTGradAccum(GradAccumTrainer, SFTTrainer)`, against the
+stock `SFTTrainer`) on the causal LM's rows, and a PEFT LoRA model (`get_peft_model` after `from_pretrained`) on
+`hsdp`, `pc_hsdp` (where Accelerate's FSDP2 plugin shards the PEFT model) and `tp` (`COMPOSED_CASES`).
+
 Each route trains one window on a dataset of exactly one window (so the large batch is every row, whatever order the
 sampler deals them in) for two tiny random Llama models, a causal LM (rows of different lengths) and a sequence
 classifier; on the FSDP2 routes `GradAccumTrainer` also with `fsdp_reduce_schedule="once_per_window"`. Rank 0 writes `OUT_DIR/ROUTE.json`: the relative update error (or the error message) per model and
@@ -65,6 +69,11 @@ ROUTES: dict[str, dict[str, Any]] = {
 }
 FSDP_ROUTES = ("hsdp", "tp_fsdp", "pc_hsdp")
 MODELS = {"causal_lm": (LlamaForCausalLM, AutoModelForCausalLM), "seq_cls": (LlamaForSequenceClassification, None)}
+# Further cases on the causal LM, per route (they share its saved model and rows): TRL's `SFTTrainer` composed with
+# ours (`SFTGradAccum`) next to the stock `SFTTrainer`, and a PEFT LoRA model (`get_peft_model` right after
+# `from_pretrained`, as a script would: on `hsdp` and `tp` the model is sharded by then, on `pc_hsdp` Accelerate shards
+# the PEFT model later) under both plain trainers.
+COMPOSED_CASES: dict[str, tuple[str, ...]] = {"hsdp": ("sft", "lora"), "pc_hsdp": ("lora",), "tp": ("sft", "lora")}
 
 
 def lift_accelerate_device_checks() -> None:
@@ -163,14 +172,15 @@ def load(path: str, **kwargs: Any) -> torch.nn.Module:
     return auto.from_pretrained(path, dtype=torch.float32, **kwargs)
 
 
-def large_batch_reference(path: str, rows: list[dict[str, torch.Tensor]]) -> tuple[dict, dict]:
+def large_batch_reference(model: str | torch.nn.Module, rows: list[dict[str, torch.Tensor]]) -> tuple[dict, dict]:
     """One SGD step (lr 1) on all rows at once, unsharded, in fp64: the model's own mean loss over the whole batch
-    (a causal LM's over every row's shifted labels)."""
-    model = load(path).double()
+    (a causal LM's over every row's shifted labels). `model` is a saved model's path or an unsharded model."""
+    model = (load(model) if isinstance(model, str) else model).double()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     model(**batch).loss.backward()
-    return initial, {n: (p - p.grad).detach() for n, p in model.named_parameters()}
+    # Frozen parameters (a LoRA model's base weights) stay as they are.
+    return initial, {n: (p - p.grad if p.requires_grad else p).detach() for n, p in model.named_parameters()}
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -210,19 +220,67 @@ def layout(trainer: Trainer) -> dict[str, Any]:
     return info
 
 
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA on the attention's q/v projections, the same random init on every rank and in the reference (B random
+    too, so both matrices get a gradient on the first step)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(2)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
+    )
+    return get_peft_model(model, config)
+
+
+def sft_dataset(rows: list[dict[str, torch.Tensor]]) -> Any:
+    """The causal LM's rows unpadded, as a tokenized dataset: `SFTTrainer`'s collator pads them again (with token 0,
+    labels -100 there), so its large batch is the causal LM's."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"input_ids": [r["input_ids"][r["attention_mask"] == 1].tolist() for r in rows]})
+
+
+def composed_sft_trainer() -> type:
+    from trl import SFTTrainer
+
+    class SFTGradAccum(GradAccumTrainer, SFTTrainer):
+        pass
+
+    return SFTGradAccum
+
+
+def make_trainer(case: str, trainer_cls: type, model: torch.nn.Module, args: Any, rows: list) -> Trainer:
+    if case != "sft":
+        return trainer_cls(model=model, args=args, train_dataset=rows)
+    from trl import SFTTrainer
+
+    from tests.composition_cases import word_tokenizer
+
+    cls = composed_sft_trainer() if trainer_cls is GradAccumTrainer else SFTTrainer
+    tokenizer = word_tokenizer()  # only its pad token (id 0) is used: the rows are tokenized already
+    return cls(model=model, args=args, train_dataset=sft_dataset(rows), processing_class=tokenizer)
+
+
 def train_once(
-    trainer_cls: type, path: str, route: str, rows: list, out_dir: str, **overrides: Any
+    trainer_cls: type, path: str, route: str, rows: list, out_dir: str, case: str = "", **overrides: Any
 ) -> tuple[dict, dict]:
     spec = ROUTES[route]
     AcceleratorState._reset_state(reset_partial_state=True)
     model = load(path, **spec["load"])
+    if case == "lora":
+        model = lora(model)
     extra = {}
     if "parallelism" in spec:
         from accelerate import ParallelismConfig
 
         extra["parallelism_config"] = ParallelismConfig(**spec["parallelism"])
-    args = GradAccumArguments(
-        output_dir=os.path.join(out_dir, f"{route}_{trainer_cls.__name__}"),
+    arguments_cls = GradAccumArguments
+    if case == "sft":
+        from tests.composed_arguments import GradAccumSFTConfig
+
+        arguments_cls, extra["bf16"] = GradAccumSFTConfig, False  # SFTConfig would default to bf16
+    args = arguments_cls(
+        output_dir=os.path.join(out_dir, f"{route}_{case}_{trainer_cls.__name__}"),
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=STEPS,
         learning_rate=1.0,
@@ -240,7 +298,7 @@ def train_once(
     if spec.get("accelerate_fsdp"):
         _ = args.device  # resolves Accelerate's state before the FSDP gate is flipped
         use_accelerate_fsdp2_on_cpu(args.parallelism_config)
-    trainer = trainer_cls(model=model, args=args, train_dataset=rows)
+    trainer = make_trainer(case, trainer_cls, model, args, rows)
     start = REDUCE_SCATTERS.calls
     trainer.train()
     info = layout(trainer)
@@ -394,6 +452,30 @@ def plain_engine_tp_dp() -> dict[str, Any]:
     }
 
 
+def composed_cases(record: dict[str, Any], route: str, out_dir: str) -> None:
+    """`COMPOSED_CASES` on `route`, stock and ours, into `record` (`sft/stock`, `lora/ours`, ...)."""
+    path = os.path.join(out_dir, "causal_lm")
+    rows = dataset("causal_lm", MICRO * STEPS * ROUTES[route]["dp"])
+    for case in COMPOSED_CASES.get(route, ()):
+        reference = load(path)
+        if case == "lora":
+            reference = lora(reference)
+        if case == "lora" and "tp" in route.split("_"):
+            # PEFT initialises a tensor-parallel layer's adapter shard by shard (a `DTensor` `lora_B`), so the
+            # reference starts from the sharded model's adapters as they are, gathered whole.
+            sharded = full_parameters(lora(load(path, **ROUTES[route]["load"])))
+            with torch.no_grad():
+                for name, p in reference.named_parameters():
+                    p.copy_(sharded[name])
+        initial, ref = large_batch_reference(reference, rows)
+        for name, cls in (("stock", Trainer), ("ours", GradAccumTrainer)):
+            try:
+                weights, record[f"{case}/{name}/layout"] = train_once(cls, path, route, rows, out_dir, case=case)
+                record[f"{case}/{name}"] = relative_error(weights, initial, ref)
+            except Exception as error:  # the test says which trainer may fail, and how
+                record[f"{case}/{name}"] = f"{type(error).__name__}: {error}"
+
+
 def main(out_dir: str, routes: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -422,6 +504,7 @@ def main(out_dir: str, routes: list[str]) -> None:
                     record[f"{model_name}/{name}"] = relative_error(weights, initial, ref)
                 except Exception as error:  # the test says which trainer may fail, and how
                     record[f"{model_name}/{name}"] = f"{type(error).__name__}: {error}"
+        composed_cases(record, route, out_dir)
         record["refused"] = refusals(route, out_dir)
         if dist.get_rank() == 0:
             with open(os.path.join(out_dir, f"{route}.json"), "w") as f:
