@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .composed_class import library_trainer_name
+from .composed_class import nearest_trainer_named
 
 # `training_step` implementations that only add a context around `Trainer.training_step` and pass their arguments on
 # unchanged (TRL 1.16's activation-offloading context), so the loss sees the very rows the loop handed over.
@@ -79,7 +79,7 @@ HANDED_COUNT_TRAINERS = ("GKDTrainer",)
 
 def divides_by_handed_count(trainer: Any) -> bool:
     """Whether `trainer` is composed with a trainer of `HANDED_COUNT_TRAINERS` (the nearest library class)."""
-    return library_trainer_name(trainer) in HANDED_COUNT_TRAINERS
+    return nearest_trainer_named(trainer, HANDED_COUNT_TRAINERS) is not None
 
 
 def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
