@@ -180,7 +180,8 @@ class WindowLossLog:
         self.returned: torch.Tensor | None = None
         self.weighted: torch.Tensor | None = None
         self.items = 0.0
-        self.matched = window_items is not None
+        # (A window without items is skipped by the accumulator; its logged loss is what each micro-batch reports.)
+        self.matched = bool(window_items)
 
     def share(
         self, loss: torch.Tensor, items: float, prefetched: float | None, *, last: bool, steps: int
@@ -192,8 +193,8 @@ class WindowLossLog:
         self.items += items
         if self.matched:
             value = loss * (items / self.window_items)
-        elif last:
-            mean = self.weighted / self.items if self.items else torch.zeros_like(weighted)
+        elif last and self.items:
+            mean = self.weighted / self.items
             value = mean.to(loss.dtype) - (self.returned if self.returned is not None else 0.0)
         else:
             value = loss / steps
