@@ -17,7 +17,17 @@ from transformers import Trainer
 
 @functools.cache
 def installed_top_level_modules() -> frozenset[str]:
-    """Top-level module names of the installed distributions (read once per process)."""
+    """
+    Top-level module names of the installed distributions (read once per process).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.composed_class import installed_top_level_modules
+    >>> "torch" in installed_top_level_modules()
+    True
+    ```
+    """
     return frozenset(importlib.metadata.packages_distributions())
 
 

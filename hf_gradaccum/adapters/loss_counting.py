@@ -78,7 +78,18 @@ HANDED_COUNT_TRAINERS = ("GKDTrainer",)
 
 
 def divides_by_handed_count(trainer: Any) -> bool:
-    """Whether `trainer` is composed with a trainer of `HANDED_COUNT_TRAINERS` (the nearest library class)."""
+    """
+    Whether `trainer` is composed with a trainer of `HANDED_COUNT_TRAINERS` (the nearest registered class).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.adapters.loss_counting import divides_by_handed_count
+    >>> divides_by_handed_count(GradAccumTrainer)
+    False
+    ```
+    """
     return nearest_trainer_named(trainer, HANDED_COUNT_TRAINERS) is not None
 
 
@@ -86,6 +97,13 @@ def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
     """
     The `CompositionError` for an unknown composition whose parents rebuild the micro-batch before the loss: the
     first-window check can only split the batch the loop prefetched, which is not what their loss sees.
+
+    Example:
+
+    ```python
+    >>> raise refuse_rebuilt_micro_batches(trainer, "GOLDTrainer")  # doctest: +SKIP
+    CompositionError: GradAccumTrainer does not know how GOLDTrainer (loss: 'nll') accumulates, and cannot check it: ...
+    ```
     """
     from .compositions import CompositionError  # imports this module's neighbours
 
