@@ -50,6 +50,10 @@ GMPO, Distillation and SDFT sample for real, with the same generation batch and 
 optimizer step (its first line here); "silent": trained, not exact; "crashed": any other exception. The cases and the
 test that asserts each verdict: `tests/trl_zoo_cases.py`, `tests/test_trl_zoo.py`.
 
+For the trainers refused at construction (GOLD, IW-OPD, SDPO, A*-PO, Online DPO) there is no generation stand-in: their
+"stock GA=3" column compares runs that may have sampled different completions, so it says how far apart the two
+stock runs ended, not only what accumulation changed.
+
 """
 
 

@@ -126,6 +126,10 @@ def check_trainer_window(
     if result.passed:
         logger.info("verify_accumulation: %s", result.summary())
         return result
+    if verdict == "cannot_decide" and refuse is not None:
+        # An unknown composition trains only when shown exact: undecided (e.g. its loss raised on a split) stops it,
+        # saying so, rather than training what the check could not run or failing later with a bare traceback.
+        raise refuse(f"The check could not decide on this window.\n{result.summary()}")
     if verdict == "cannot_decide":
         # Never a false alarm: a check that cannot tell (randomness it could not switch off, a forward that failed on
         # a split) says so and never stops training, even with `verify_raise=True`.

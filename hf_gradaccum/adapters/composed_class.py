@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from collections.abc import Collection
 from typing import Any
 
 from transformers import Trainer
@@ -16,8 +17,49 @@ from transformers import Trainer
 
 @functools.cache
 def installed_top_level_modules() -> frozenset[str]:
-    """Top-level module names of the installed distributions (read once per process)."""
+    """
+    Top-level module names of the installed distributions (read once per process).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.adapters.composed_class import installed_top_level_modules
+    >>> "torch" in installed_top_level_modules()
+    True
+    ```
+    """
     return frozenset(importlib.metadata.packages_distributions())
+
+
+def _is_library_class(cls: type) -> bool:
+    root = cls.__module__.split(".")[0]
+    return root == "transformers" or root in installed_top_level_modules()
+
+
+def nearest_trainer_named(trainer: Any, names: Collection[str]) -> str | None:
+    """
+    The name of the nearest `Trainer` subclass in the MRO of `trainer` (an instance or a class) that is in `names`,
+    looking through hf_gradaccum's classes and past the user's own, but never past a library class: `None` when a
+    library class not in `names` comes first (a subclass with a loss of its own), or none is in `names`.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.adapters.composed_class import nearest_trainer_named
+    >>> nearest_trainer_named(GradAccumTrainer, {"Trainer"})
+    'Trainer'
+    ```
+    """
+    cls0 = trainer if isinstance(trainer, type) else type(trainer)
+    for cls in cls0.__mro__:
+        if cls.__module__.split(".")[0] == "hf_gradaccum" or not issubclass(cls, Trainer):
+            continue
+        if cls.__name__ in names:
+            return cls.__name__
+        if _is_library_class(cls):
+            return None
+    return None
 
 
 def library_trainer(trainer: Any) -> type | None:
@@ -38,15 +80,8 @@ def library_trainer(trainer: Any) -> type | None:
     """
     cls0 = trainer if isinstance(trainer, type) else type(trainer)
     for cls in cls0.__mro__:
-        root = cls.__module__.split(".")[0]
-        if root == "hf_gradaccum" or not issubclass(cls, Trainer):
+        if cls.__module__.split(".")[0] == "hf_gradaccum" or not issubclass(cls, Trainer):
             continue
-        if root == "transformers" or root in installed_top_level_modules():
+        if _is_library_class(cls):
             return cls
     return None
-
-
-def library_trainer_name(trainer: Any) -> str | None:
-    """The class name of [`library_trainer`], or `None`."""
-    cls = library_trainer(trainer)
-    return None if cls is None else cls.__name__

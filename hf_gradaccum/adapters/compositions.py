@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .composed_class import library_trainer
+from .composed_class import library_trainer, nearest_trainer_named
 from .trl_grpo import LOSS_ITEMS
 
 __all__ = [
@@ -255,9 +255,9 @@ def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
 
 def composition_entry(trainer: Any) -> tuple[str, list[tuple[str, Accumulation]]] | None:
     """
-    The registry's rows for `trainer`: `(trainer class name, [(loss, Accumulation), ...])` for the nearest library
-    class in its MRO ([`library_trainer`]: a subclass that changes the loss is a trainer of its own), or `None` when
-    that class has no entry.
+    The registry's rows for `trainer`: `(trainer class name, [(loss, Accumulation), ...])` for the nearest class in its
+    MRO with an entry, not looking past a library class without one ([`nearest_trainer_named`]: a subclass that
+    changes the loss is a trainer of its own), or `None`.
 
     Example:
 
@@ -267,10 +267,9 @@ def composition_entry(trainer: Any) -> tuple[str, list[tuple[str, Accumulation]]
     ('DPOTrainer', [('sigmoid', Accumulation(how='items', what='pairs (every per-pair loss type)', fix=None))])
     ```
     """
-    cls = library_trainer(trainer)
-    if cls is None or cls.__name__ not in {name for name, _ in REGISTRY}:
+    name = nearest_trainer_named(trainer, {name for name, _ in REGISTRY})
+    if name is None:
         return None
-    name = cls.__name__
     rows = []
     for loss in _loss_keys(trainer, name):
         entry = REGISTRY.get((name, loss)) or REGISTRY.get((name, "*"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .composed_class import library_trainer_name
+from .composed_class import nearest_trainer_named
 
 # `training_step` implementations that only add a context around `Trainer.training_step` and pass their arguments on
 # unchanged (TRL 1.16's activation-offloading context), so the loss sees the very rows the loop handed over.
@@ -78,14 +78,32 @@ HANDED_COUNT_TRAINERS = ("GKDTrainer",)
 
 
 def divides_by_handed_count(trainer: Any) -> bool:
-    """Whether `trainer` is composed with a trainer of `HANDED_COUNT_TRAINERS` (the nearest library class)."""
-    return library_trainer_name(trainer) in HANDED_COUNT_TRAINERS
+    """
+    Whether `trainer` is composed with a trainer of `HANDED_COUNT_TRAINERS` (the nearest registered class).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.adapters.loss_counting import divides_by_handed_count
+    >>> divides_by_handed_count(GradAccumTrainer)
+    False
+    ```
+    """
+    return nearest_trainer_named(trainer, HANDED_COUNT_TRAINERS) is not None
 
 
 def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
     """
     The `CompositionError` for an unknown composition whose parents rebuild the micro-batch before the loss: the
     first-window check can only split the batch the loop prefetched, which is not what their loss sees.
+
+    Example:
+
+    ```python
+    >>> raise refuse_rebuilt_micro_batches(trainer, "GOLDTrainer")  # doctest: +SKIP
+    CompositionError: GradAccumTrainer does not know how GOLDTrainer (loss: 'nll') accumulates, and cannot check it: ...
+    ```
     """
     from .compositions import CompositionError  # imports this module's neighbours
 
@@ -180,7 +198,8 @@ class WindowLossLog:
         self.returned: torch.Tensor | None = None
         self.weighted: torch.Tensor | None = None
         self.items = 0.0
-        self.matched = window_items is not None
+        # (A window without items is skipped by the accumulator; its logged loss is what each micro-batch reports.)
+        self.matched = bool(window_items)
 
     def share(
         self, loss: torch.Tensor, items: float, prefetched: float | None, *, last: bool, steps: int
@@ -192,8 +211,8 @@ class WindowLossLog:
         self.items += items
         if self.matched:
             value = loss * (items / self.window_items)
-        elif last:
-            mean = self.weighted / self.items if self.items else torch.zeros_like(weighted)
+        elif last and self.items:
+            mean = self.weighted / self.items
             value = mean.to(loss.dtype) - (self.returned if self.returned is not None else 0.0)
         else:
             value = loss / steps

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from .arguments import gradaccum_option
-from .composed_class import library_trainer_name
+from .composed_class import nearest_trainer_named
 
 SEQUENCES = "sequences"
 COMPLETION_TOKENS = "completion tokens"
@@ -203,8 +203,7 @@ class GenerationBatchAccumulation:
 
 def _generation_trainer_name(trainer: Any) -> str | None:
     # The nearest library class only: a subclass with a loss of its own is not its base's loss.
-    name = library_trainer_name(trainer)
-    return name if name in GENERATION_TRAINERS else None
+    return nearest_trainer_named(trainer, GENERATION_TRAINERS)
 
 
 def _refuse(trainer_name: str, loss_type: str | None, why: str, fix: str) -> ValueError:
