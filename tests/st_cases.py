@@ -153,3 +153,13 @@ def tiny_sparse_encoder(folder: Path, seed: int = 0):
     path = _tiny_bert_folder(folder, f"splade{seed}", BertForMaskedLM, seed)
     transformer = Transformer(str(path), max_seq_length=32, transformer_task="fill-mask")
     return SparseEncoder(modules=[transformer, SpladePooling("max")])
+
+
+def tiny_multi_vector_encoder(folder: Path, seed: int = 0):
+    """A `MultiVectorEncoder` (random-init 2-layer BERT, no dropout; its default token projection and masking)."""
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
+    from transformers import BertModel
+
+    path = _tiny_bert_folder(folder, f"bert{seed}", BertModel, seed)
+    torch.manual_seed(seed)  # the default projection layer is initialised here
+    return MultiVectorEncoder(str(path))

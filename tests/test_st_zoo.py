@@ -22,6 +22,11 @@ from sentence_transformers import (  # noqa: E402
     losses,
 )
 from sentence_transformers.cross_encoder import losses as ce_losses  # noqa: E402
+from sentence_transformers.multi_vector_encoder import (  # noqa: E402
+    MultiVectorEncoderTrainer,
+    MultiVectorEncoderTrainingArguments,
+)
+from sentence_transformers.multi_vector_encoder import losses as mv_losses  # noqa: E402
 from sentence_transformers.sparse_encoder import (  # noqa: E402
     SparseEncoderTrainer,
     SparseEncoderTrainingArguments,
@@ -40,6 +45,7 @@ from tests.st_cases import (  # noqa: E402
     relative_difference,
     st_args,
     tiny_cross_encoder,
+    tiny_multi_vector_encoder,
     tiny_sentence_transformer,
     tiny_sparse_encoder,
 )
@@ -58,6 +64,15 @@ def _composed(parent):
 ORDERS = ["gradaccum_first", "parent_first"]
 
 
+def _runner(folder, make_loss, data, make_model, args_cls):
+    """`run(trainer_cls, batch, steps)`: one step of that trainer on a fresh model of the given kind."""
+
+    def run(trainer_cls, batch, steps):
+        return one_step(trainer_cls, folder, make_loss, batch, steps, data, make_model=make_model, args_cls=args_cls)
+
+    return run
+
+
 def _labelled_pairs(n: int) -> datasets.Dataset:
     data = pairs(n, labels=True)
     return data.map(lambda row: {"label": float(row["label"] > 0.5)})
@@ -73,18 +88,7 @@ def _unequal_tail(data: datasets.Dataset) -> datasets.Dataset:
 def test_cross_encoder_item_mean_loss_is_exact_without_refusal_or_warning(tmp_path, order, caplog):
     trainer_cls = _composed(CrossEncoderTrainer)[order]
     data = _unequal_tail(_labelled_pairs(12))  # micro-batches of 4, 4, 3
-
-    def run(cls, batch, steps):
-        return one_step(
-            cls,
-            tmp_path,
-            ce_losses.BinaryCrossEntropyLoss,
-            batch,
-            steps,
-            data,
-            make_model=tiny_cross_encoder,
-            args_cls=CrossEncoderTrainingArguments,
-        )
+    run = _runner(tmp_path, ce_losses.BinaryCrossEntropyLoss, data, tiny_cross_encoder, CrossEncoderTrainingArguments)
 
     large, _ = run(CrossEncoderTrainer, 11, 1)
     stock, _ = run(CrossEncoderTrainer, 4, 3)
@@ -183,6 +187,28 @@ def test_splade_regularisers_see_the_whole_window(tmp_path):
     large = step(SparseEncoderTrainer, 12, 1)
     assert relative_difference(step(_composed(SparseEncoderTrainer)[0], 6, 2), large) <= TOL
     assert relative_difference(step(SparseEncoderTrainer, 6, 2), large) >= 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- MultiVectorEncoder
+def test_multi_vector_ranking_loss_is_routed_to_the_coupled_mode_and_exact(tmp_path):
+    """Late interaction (MaxSim over token embeddings) with in-batch negatives; micro-batches of 6, 6 whose token
+    axes differ in length."""
+    data = pairs(12)
+    run = _runner(
+        tmp_path,
+        lambda model: mv_losses.MultiVectorMultipleNegativesRankingLoss(model, scale=5.0),
+        data,
+        tiny_multi_vector_encoder,
+        MultiVectorEncoderTrainingArguments,
+    )
+
+    large, _ = run(MultiVectorEncoderTrainer, 12, 1)
+    stock, _ = run(MultiVectorEncoderTrainer, 6, 2)
+    for trainer_cls in _composed(MultiVectorEncoderTrainer):
+        ours, trainer = run(trainer_cls, 6, 2)
+        assert trainer._st_route == "coupled"
+        assert relative_difference(ours, large) <= TOL
+    assert relative_difference(stock, large) >= 1e-2
 
 
 # ---------------------------------------------------------------------------------------------------- a dict of losses

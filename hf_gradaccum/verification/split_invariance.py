@@ -385,24 +385,28 @@ def verify_split_invariance(
 
 def _float64_diffs(model, params, rows, plan, loss_fn, count_items, trace) -> dict[str, float] | None:
     """The split differences of `plan` with the model, the rows and the gradients in fp64 (`None` if the forward
-    cannot run in fp64: a kernel without fp64, a loss that mixes in fp32 tensors of its own)."""
+    cannot run in fp64: a kernel without fp64, a loss that mixes fp32 tensors of its own with the model's)."""
     from .float64 import in_float64, rows_in_float64
 
     rows64 = rows_in_float64(rows)
-    try:
-        with in_float64(model):
 
-            def gradient(split: str) -> list[torch.Tensor]:
-                trace.reset_buffers()
-                cuts = cut(rows64, plan[split])
-                return accumulated_gradient(model, params, cuts, loss_fn, count_items, grad_dtype=torch.float64)
-
-            reference = gradient("window")
-            return {split: _rel(gradient(split), reference)[0] for split in plan if split != "window"}
-    except Exception:  # the fp32 verdict stands
-        return None
-    finally:
+    def gradient(split: str) -> list[torch.Tensor]:
         trace.reset_buffers()
+        cuts = cut(rows64, plan[split])
+        return accumulated_gradient(model, params, cuts, loss_fn, count_items, grad_dtype=torch.float64)
+
+    # New tensors in fp64 first (a loss that builds its targets with `torch.zeros` then matches the model's fp64);
+    # else in fp32 (a loss that casts the model's output `.float()` and writes it into a tensor of its own).
+    for default_dtype in (True, False):
+        try:
+            with in_float64(model, default_dtype=default_dtype):
+                reference = gradient("window")
+                return {split: _rel(gradient(split), reference)[0] for split in plan if split != "window"}
+        except Exception:  # the fp32 verdict stands
+            continue
+        finally:
+            trace.reset_buffers()
+    return None
 
 
 def _random_sources(model, loss_fn, rows, size, device) -> list[str]:
