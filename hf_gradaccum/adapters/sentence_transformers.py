@@ -41,6 +41,7 @@ from torch import nn
 from ..engine.coupled import CoupledLoss, rows_in
 from .compositions import (
     CACHED_LOSSES,
+    CROSS_ENCODER_CACHED_FIX,
     CROSS_ENCODER_ROW_LOSSES,
     EMBEDDING_LOSSES,
     GUIDED_LOSSES,
@@ -464,12 +465,18 @@ class SentenceTransformersRouting:
             f"{self.args.gradient_accumulation_steps}: " + "; ".join(why.values()) + "."
         ]
         if route == "refused":
-            plain = sorted({CACHED_LOSSES[type(each).__name__] for name, each in losses.items() if name in why})
-            lines.append(
-                f"Fix: use {' / '.join(plain) or 'the non-cached loss'}: {type(self).__name__} caches gradients over "
-                "the whole accumulation window itself, so the window is the batch of negatives. Or keep the cached "
-                "loss with gradient_accumulation_steps=1 and the large batch as per_device_train_batch_size."
+            refused = [each for name, each in losses.items() if name in why]
+            plain = sorted(
+                {CACHED_LOSSES[type(each).__name__] for each in refused if not _is_cross_encoder_loss(type(each))}
             )
+            if plain:
+                lines.append(
+                    f"Fix: use {' / '.join(plain)}: {type(self).__name__} caches gradients over the whole "
+                    "accumulation window itself, so the window is the batch of negatives. Or keep the cached loss "
+                    "with gradient_accumulation_steps=1 and the large batch as per_device_train_batch_size."
+                )
+            if any(_is_cross_encoder_loss(type(each)) for each in refused):
+                lines.append(f"Fix ({type(self).__name__}): {CROSS_ENCODER_CACHED_FIX}")
         else:
             lines.append(
                 "Fix: use a loss GradAccumTrainer routes (MultipleNegativesRankingLoss and its symmetric variant, "
