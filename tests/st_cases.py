@@ -134,13 +134,35 @@ def _tiny_bert_folder(folder: Path, name: str, model_cls, seed: int, hidden: int
     return path
 
 
-def tiny_cross_encoder(folder: Path, seed: int = 0):
-    """A `CrossEncoder` (random-init 2-layer BERT with a 1-score head, no dropout)."""
+def tiny_cross_encoder(folder: Path, seed: int = 0, initializer_range: float | None = None):
+    """A `CrossEncoder` (random-init 2-layer BERT with a 1-score head, no dropout). `initializer_range` (BERT's
+    default is 0.02): at 0.02 this tiny model scores every (query, document) pair almost alike, so the documents'
+    score gradients are almost equal and a listwise loss's gradient cancels (ListNet: 5e3 times smaller than its
+    per-pair terms, at the level of fp32 rounding); at 0.2 the scores depend on the texts and it does not cancel."""
     from sentence_transformers import CrossEncoder
     from transformers import BertForSequenceClassification
 
-    path = _tiny_bert_folder(folder, f"ce{seed}", BertForSequenceClassification, seed, num_labels=1)
+    name, config = f"ce{seed}", {}
+    if initializer_range is not None:
+        name, config = f"ce{seed}_init{initializer_range}", {"initializer_range": initializer_range}
+    path = _tiny_bert_folder(folder, name, BertForSequenceClassification, seed, num_labels=1, **config)
     return CrossEncoder(str(path), num_labels=1, max_length=32)
+
+
+def listwise(n: int = 12, seed: int = 0) -> datasets.Dataset:
+    """(query, [2 to 4 documents], [1, 0, ...]) rows for CrossEncoder's listwise losses (ListNet, ListMLE, Lambda)."""
+    rng = random.Random(seed)
+
+    def sentence() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
+
+    rows: dict[str, list[Any]] = {"query": [], "docs": [], "labels": []}
+    for _ in range(n):
+        docs = rng.randint(2, 4)
+        rows["query"].append(sentence())
+        rows["docs"].append([sentence() for _ in range(docs)])
+        rows["labels"].append([1.0] + [0.0] * (docs - 1))
+    return datasets.Dataset.from_dict(rows)
 
 
 def tiny_sparse_encoder(folder: Path, seed: int = 0):
@@ -153,3 +175,13 @@ def tiny_sparse_encoder(folder: Path, seed: int = 0):
     path = _tiny_bert_folder(folder, f"splade{seed}", BertForMaskedLM, seed)
     transformer = Transformer(str(path), max_seq_length=32, transformer_task="fill-mask")
     return SparseEncoder(modules=[transformer, SpladePooling("max")])
+
+
+def tiny_multi_vector_encoder(folder: Path, seed: int = 0):
+    """A `MultiVectorEncoder` (random-init 2-layer BERT, no dropout; its default token projection and masking)."""
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
+    from transformers import BertModel
+
+    path = _tiny_bert_folder(folder, f"bert{seed}", BertModel, seed)
+    torch.manual_seed(seed)  # the default projection layer is initialised here
+    return MultiVectorEncoder(str(path))

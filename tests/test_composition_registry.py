@@ -90,8 +90,10 @@ def test_registry_rows_are_well_formed_and_follow_the_feature_tables():
         assert REGISTRY["SentenceTransformerTrainer", loss].how == "coupled"
     for loss in compositions.REPLAYED_LOSSES:
         assert REGISTRY["SparseEncoderTrainer", loss].how == "coupled"
+    for loss in compositions.MULTI_VECTOR_LOSSES:
+        assert REGISTRY["MultiVectorEncoderTrainer", loss].how == "coupled"
     for cached, plain in compositions.CACHED_LOSSES.items():
-        trainer = "SparseEncoderTrainer" if cached == "CachedSpladeLoss" else "SentenceTransformerTrainer"
+        trainer = compositions.CACHED_LOSS_TRAINERS.get(cached, "SentenceTransformerTrainer")
         entry = REGISTRY[trainer, cached]
         assert entry.how == "refused" and plain in entry.fix
     for trainer in compositions.SENTENCE_TRANSFORMERS_TRAINERS:

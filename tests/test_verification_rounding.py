@@ -1,9 +1,12 @@
 """`verify_split_invariance` tells fp32 rounding from inexactness: an item-mean loss whose fp32 split difference
 exceeds 1e-5 (per-row gradients of about 1e3 that cancel to 1e-2, so the grouping of the sums shows) is exact because
-the same splits agree in fp64; a per-batch mean over unequal item counts is still not exact; a zero gradient is exact
-rather than undecidable; the model is left as it was (dtype and values)."""
+the same splits agree in fp64; a per-batch mean over unequal item counts is still not exact, and so is a small real
+inexactness hidden under the fp32 rounding; a split that fp64 cannot measure (NaN) approves nothing; a zero gradient
+is exact rather than undecidable; the model is left as it was (dtype and values)."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -85,3 +88,50 @@ def test_float64_context_restores_the_same_tensors():
         assert torch.get_default_dtype() == torch.float64
     assert model[0].weight is weight and weight.data_ptr() == storage and weight.dtype == torch.float32
     assert model[1].running_mean.dtype == torch.float32 and torch.get_default_dtype() == torch.float32
+
+
+def test_a_small_real_inexactness_under_fp32_rounding_is_still_caught():
+    """The fp32 difference is mostly rounding (the cancelling rows), but the loss also adds a prior term divided by
+    the micro-batch's rows (KL / n, as a variational loss does per batch): row-weighted, that term counts once per
+    micro-batch, so its share of the gradient grows with the number of micro-batches. fp64 removes the rounding and
+    leaves the term's difference (about 1e-4 of the gradient), which must keep the verdict "not exact"."""
+    model = _unit_linear()
+    x = _cancelling_rows()
+    window = [{"x": x[:4]}, {"x": x[4:]}]
+    prior = 4e-6  # its gradient adds prior * (micro-batches) / 8 rows: 1e-6 for the window, 2e-6 for the halves
+
+    def mean_plus_prior_per_batch(model, batch):
+        return model(batch["x"]).mean() + prior * model.weight.pow(2).sum() / 2 / batch["x"].shape[0]
+
+    result = verify_split_invariance(model, window, loss_fn=mean_plus_prior_per_batch, count_items=_rows)
+    assert result.verdict == "not_exact" and not result.passed
+    assert result.max_rel_diff > 100 * TOL  # the fp32 figure, which alone would have sent it to fp64
+    assert not any("is rounding" in note for note in result.notes)
+    # The fp64 figure is the prior term's 1e-6 out of a gradient of 0.01: 1e-4, ten times the tolerance.
+    fp64 = [note for note in result.notes if note.startswith("the same splits computed in fp64 differ by")]
+    assert len(fp64) == 1, result.notes
+    assert 9e-5 < float(re.search(r"half (\S+) ", fp64[0]).group(1)) < 1.1e-4, fp64[0]
+    # Without the prior term the same window is exact (rounding only): the term is what the check caught.
+    plain = verify_split_invariance(model, window, loss_fn=_mean, count_items=_rows)
+    assert plain.verdict == "exact"
+
+
+def test_an_fp64_split_that_cannot_be_measured_does_not_approve():
+    """The fp64 rerun approves only when every split is measured: here the halves' fp64 gradient is NaN (the loss
+    gives NaN for 2-row micro-batches in fp64), while the full batch agrees. `max` over {full: 0, half: NaN} would
+    be 0; the fp32 verdict must stand instead."""
+    model = _unit_linear()
+    x = _cancelling_rows()
+    window = [{"x": x[:4]}, {"x": x[4:]}]
+
+    def nan_for_two_rows_in_fp64(model, batch):
+        out = model(batch["x"]).mean()
+        if out.dtype == torch.float64 and batch["x"].shape[0] == 2:
+            return out * float("nan")
+        return out
+
+    result = verify_split_invariance(
+        model, window, loss_fn=nan_for_two_rows_in_fp64, count_items=_rows, splits=("full", "half")
+    )
+    assert result.verdict != "exact" and not result.passed
+    assert not any("is rounding" in note for note in result.notes)

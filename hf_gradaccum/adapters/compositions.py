@@ -123,13 +123,33 @@ GUIDED_LOSSES = ("GISTEmbedLoss",)
 # else from those embeddings (SpladeLoss: its ranking loss plus the FLOPS regularisers, batch means of the
 # embeddings): replayed on the window's embeddings by `_replayed_coupled_loss`.
 REPLAYED_LOSSES = ("SpladeLoss",)
+# MultiVectorEncoder losses whose `forward` embeds the columns token by token with `self.model` and computes
+# everything else from those token embeddings and their scoring masks: replayed by `_multi_vector_coupled_loss`.
+MULTI_VECTOR_LOSSES = ("MultiVectorMultipleNegativesRankingLoss",)
 # Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only.
 CACHED_LOSSES = {
     "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
     "CachedGISTEmbedLoss": "GISTEmbedLoss",
     "CachedSpladeLoss": "SpladeLoss",
+    "CachedMultiVectorMultipleNegativesRankingLoss": "MultiVectorMultipleNegativesRankingLoss",
 }
+# The trainer of each cached loss that is not a SentenceTransformer loss.
+CACHED_LOSS_TRAINERS = {
+    "CachedSpladeLoss": "SparseEncoderTrainer",
+    "CachedMultiVectorMultipleNegativesRankingLoss": "MultiVectorEncoderTrainer",
+}
+# CrossEncoder's cached in-batch-negatives loss: its non-cached MultipleNegativesRankingLoss is no way out, since it
+# pairs each query with the other rows' documents inside the loss, which no route replays over the window (the
+# first-window check refuses it too).
+CROSS_ENCODER_CACHED_FIX = (
+    "Keep the cached loss with gradient_accumulation_steps=1 and the large batch as per_device_train_batch_size "
+    "(its mini_batch_size already bounds the memory). Its non-cached MultipleNegativesRankingLoss is no alternative: "
+    "CrossEncoderTrainer's in-batch negatives are scored as (query, other row's document) pairs inside the loss, "
+    "which GradAccumTrainer does not replay over the window, so it is refused as well. BinaryCrossEntropyLoss on "
+    "labelled pairs (e.g. mined hard negatives) accumulates exactly; ListNetLoss over (query, [documents]) rows is "
+    "checked on the first window and trains when the check finds it exact."
+)
 # CrossEncoder losses that are a mean over independent rows (pairs): plain accumulation weighted by rows.
 CROSS_ENCODER_ROW_LOSSES = ("BinaryCrossEntropyLoss", "CrossEntropyLoss", "MSELoss", "MarginMSELoss")
 # sentence-transformers' trainers (6.x: all subclasses of its `BaseTrainer`; 5.x has the first three).
@@ -148,15 +168,21 @@ def _sentence_transformers_rows() -> dict[tuple[str, str], Accumulation]:
         rows["SentenceTransformerTrainer", loss] = coupled
     for loss in REPLAYED_LOSSES:
         rows["SparseEncoderTrainer", loss] = coupled
+    for loss in MULTI_VECTOR_LOSSES:
+        rows["MultiVectorEncoderTrainer", loss] = coupled
     for loss in CROSS_ENCODER_ROW_LOSSES:
         rows["CrossEncoderTrainer", loss] = Accumulation("items", "rows (query-document pairs)")
     for cached, plain in CACHED_LOSSES.items():
-        trainer = "SparseEncoderTrainer" if cached == "CachedSpladeLoss" else "SentenceTransformerTrainer"
-        rows[trainer, cached] = Accumulation(
+        rows[CACHED_LOSS_TRAINERS.get(cached, "SentenceTransformerTrainer"), cached] = Accumulation(
             "refused",
             "it caches gradients within one micro-batch, so its negatives are the micro-batch's only",
             f"Use `{plain}`: composed with GradAccumTrainer the whole window is its batch of negatives.",
         )
+    rows["CrossEncoderTrainer", "CachedMultipleNegativesRankingLoss"] = Accumulation(
+        "refused",
+        "it caches gradients within one micro-batch, so its negatives are the micro-batch's only",
+        CROSS_ENCODER_CACHED_FIX,
+    )
     for trainer in SENTENCE_TRANSFORMERS_TRAINERS:
         rows[trainer, "*"] = Accumulation(
             "items",

@@ -35,14 +35,17 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..engine.coupled import CoupledLoss, rows_in
 from .compositions import (
     CACHED_LOSSES,
+    CROSS_ENCODER_CACHED_FIX,
     CROSS_ENCODER_ROW_LOSSES,
     EMBEDDING_LOSSES,
     GUIDED_LOSSES,
+    MULTI_VECTOR_LOSSES,
     REPLAYED_LOSSES,
     SENTENCE_TRANSFORMERS_TRAINERS,
 )
@@ -141,6 +144,8 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
         return "coupled", f"{owner}'s forward replayed on the window's model and guide embeddings"
     if owner in REPLAYED_LOSSES:
         return "coupled", f"{owner}'s forward replayed on the window's embeddings"
+    if owner in MULTI_VECTOR_LOSSES:
+        return "coupled", f"{owner}'s forward replayed on the window's token embeddings"
     if owner in CROSS_ENCODER_ROW_LOSSES and _is_cross_encoder_loss(forward_owner):
         return "item_mean", f"{owner} is a mean over independent query-document pairs"
     if owner in EMBEDDING_LOSSES and callable(getattr(loss, "compute_loss_from_embeddings", None)):
@@ -318,6 +323,53 @@ def _replayed_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
     return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **world)
 
 
+class _TokenReplay(nn.Module):
+    """Stands in for a multi-vector model inside a loss's `forward`: the window's token embeddings and scoring mask
+    of a column."""
+
+    def __init__(self, tokens: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.tokens, self.masks = tokens, masks
+
+    def forward(self, features: Mapping[str, Any], task: str | None = None) -> dict[str, torch.Tensor]:
+        column = features[COLUMN_KEY]
+        return {"token_embeddings": self.tokens[column], "attention_mask": self.masks[column]}
+
+
+def _multi_vector_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    # Micro-batches have token axes of their own lengths: each is padded to the model's maximum (masked out, so the
+    # scores are the large batch's) for the window's embeddings to be concatenated.
+    width = int(trainer.model.get_max_seq_length())
+
+    def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+        features, labels = _features(trainer, batch)
+        tokens, masks = [], []
+        for index, columns in enumerate(features):
+            # The task the loss gives each column (the first is the query, the others documents).
+            out = model(columns, task=columns.get("task", "query" if index == 0 else "document"))
+            embedded, mask = out["token_embeddings"], out["attention_mask"].bool()
+            if embedded.shape[1] > width:
+                raise ValueError(f"Token embeddings of {embedded.shape[1]} positions, over the model's {width}.")
+            tokens.append(F.pad(embedded, (0, 0, 0, width - embedded.shape[1])))
+            masks.append(F.pad(mask, (0, width - mask.shape[1]), value=False))
+        reps: dict[str, Any] = {"tokens": tokens, "masks": masks}
+        if labels is not None:
+            reps["labels"] = labels
+        return reps
+
+    def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
+        columns = [{COLUMN_KEY: i} for i in range(len(reps["tokens"]))]
+        replaced: dict[str, Any] = {"model": _TokenReplay(list(reps["tokens"]), list(reps["masks"]))}
+        # Chunking only bounds memory (the same scores); the replayed columns are not batches to chunk.
+        replaced.update({k: None for k in ("mini_batch_size", "score_mini_batch_size") if hasattr(loss, k)})
+        if hasattr(loss, "gather_across_devices"):
+            replaced["gather_across_devices"] = False
+        with _attributes(loss, **replaced):
+            return _scalar(loss(columns, reps.get("labels")))
+
+    return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **_window_world(loss))
+
+
 def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
     """
     The [`~hf_gradaccum.engine.coupled.CoupledLoss`] of a sentence-transformers loss on `trainer`'s collated batches:
@@ -339,6 +391,8 @@ def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> Coupled
         return _gist_coupled_loss(trainer, loss)
     if owner in REPLAYED_LOSSES:
         return _replayed_coupled_loss(trainer, loss)
+    if owner in MULTI_VECTOR_LOSSES:
+        return _multi_vector_coupled_loss(trainer, loss)
     return _embedding_coupled_loss(trainer, loss)
 
 
@@ -411,12 +465,18 @@ class SentenceTransformersRouting:
             f"{self.args.gradient_accumulation_steps}: " + "; ".join(why.values()) + "."
         ]
         if route == "refused":
-            plain = sorted({CACHED_LOSSES[type(each).__name__] for name, each in losses.items() if name in why})
-            lines.append(
-                f"Fix: use {' / '.join(plain) or 'the non-cached loss'}: {type(self).__name__} caches gradients over "
-                "the whole accumulation window itself, so the window is the batch of negatives. Or keep the cached "
-                "loss with gradient_accumulation_steps=1 and the large batch as per_device_train_batch_size."
+            refused = [each for name, each in losses.items() if name in why]
+            plain = sorted(
+                {CACHED_LOSSES[type(each).__name__] for each in refused if not _is_cross_encoder_loss(type(each))}
             )
+            if plain:
+                lines.append(
+                    f"Fix: use {' / '.join(plain)}: {type(self).__name__} caches gradients over the whole "
+                    "accumulation window itself, so the window is the batch of negatives. Or keep the cached loss "
+                    "with gradient_accumulation_steps=1 and the large batch as per_device_train_batch_size."
+                )
+            if any(_is_cross_encoder_loss(type(each)) for each in refused):
+                lines.append(f"Fix ({type(self).__name__}): {CROSS_ENCODER_CACHED_FIX}")
         else:
             lines.append(
                 "Fix: use a loss GradAccumTrainer routes (MultipleNegativesRankingLoss and its symmetric variant, "

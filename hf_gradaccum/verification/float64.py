@@ -20,10 +20,10 @@ __all__ = ["in_float64", "rows_in_float64"]
 
 
 @contextlib.contextmanager
-def in_float64(model: nn.Module) -> Iterator[None]:
+def in_float64(model: nn.Module, default_dtype: bool = True) -> Iterator[None]:
     """
     Context in which every fp32 parameter and buffer of `model` is fp64 (the same values: fp32 -> fp64 is exact), and
-    new floating tensors default to fp64. On exit the original tensors are put back, bit for bit: parameters keep
+    (with `default_dtype`) new floating tensors default to fp64. On exit the original tensors are put back, bit for bit: parameters keep
     their identity (only `.data` is swapped), so references held by an optimizer or an accumulator stay valid.
 
     Example:
@@ -52,7 +52,8 @@ def in_float64(model: nn.Module) -> Iterator[None]:
                 if buffer is not None and buffer.dtype == torch.float32:
                     buffers.append((module, name, buffer))
                     module._buffers[name] = buffer.to(torch.float64)
-        torch.set_default_dtype(torch.float64)
+        if default_dtype:
+            torch.set_default_dtype(torch.float64)
         yield
     finally:
         torch.set_default_dtype(default)
