@@ -9,7 +9,7 @@ batch (fp64). The stock Trainer's error is recorded next to ours: it must show t
 comparison is known to detect a wrong update.
 
 Run with `pytest -m deepspeed tests/test_deepspeed.py` (`-s` prints every record; excluded from `make test`; CI runs it
-in `.ci/deepspeed`).
+in `.ci/engines`).
 """
 
 from __future__ import annotations

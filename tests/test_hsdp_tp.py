@@ -23,7 +23,8 @@ from tests.multiprocess import ROOT, free_port
 from tests.torch_features import needs_fsdp2_torch, needs_once_per_window_internals
 
 pytest.importorskip("transformers.distributed", reason="DistributedConfig needs a transformers with it")
-pytestmark = needs_fsdp2_torch
+# Run by the engine CI job (.ci/engines), not by `make test`: 2- and 4-process launches.
+pytestmark = [needs_fsdp2_torch, pytest.mark.engines]
 
 RTOL = 1e-5
 STEPS = 3  # gradient_accumulation_steps in the worker
