@@ -222,7 +222,7 @@ def _largest_model(args: argparse.Namespace, arm: str) -> dict[str, Any]:
 
     import torch
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction API needs an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
     dtype = getattr(torch, args.dtype)

@@ -13,15 +13,17 @@ needs_fsdp2_torch = pytest.mark.skipif(
 
 
 def _fsdp2_internals_for_once_per_window() -> bool:
-    # The opt-in `fsdp_reduce_schedule="once_per_window"` reads FSDP2 private state (`FSDPState._fsdp_param_groups`),
-    # which torch 2.11 lays out differently: there it is refused with a message, and its tests skip.
+    # The opt-in `fsdp_reduce_schedule="once_per_window"` reads FSDP2 private state: `FSDPState._fsdp_param_groups`
+    # (torch 2.13) or the older single `_fsdp_param_group` (torch 2.11). Without either it is refused with a message,
+    # and its tests skip.
     try:
         import inspect
 
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     except ImportError:
         return False
-    return "_fsdp_param_groups" in inspect.getsource(FSDPState)
+    source = inspect.getsource(FSDPState)
+    return "_fsdp_param_groups" in source or "self._fsdp_param_group:" in source
 
 
 needs_once_per_window_internals = pytest.mark.skipif(

@@ -48,6 +48,8 @@ def _rank_main(rank: int, mode: str, device_name: str, backend: str, per_rank_gp
 
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if per_rank_gpu else torch.device(device_name)
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device refuses a device without an index
+        device = torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)

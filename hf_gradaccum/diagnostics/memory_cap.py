@@ -49,6 +49,8 @@ def _cap_memory(device: torch.device) -> str:
         limit = vm_kib * 1024 + HEADROOM_MB * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
         return f"RLIMIT_AS {limit / 2**20:.0f} MiB (in use + {HEADROOM_MB} MiB)"
+    if device.index is None:  # the CUDA memory APIs refuse a device without an index
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()  # cached blocks would serve allocations above the cap
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = (torch.cuda.memory_reserved(device) + HEADROOM_MB * 2**20) / total

@@ -112,18 +112,20 @@ def use_accelerate_fsdp2_on_cpu(parallelism_config: Any) -> None:
 
 
 class ReduceScatterCounter:
-    """Counts FSDP2's gradient reduce-scatters: FSDP2 calls `torch.distributed.reduce_scatter_single` through the
-    module attribute, which this wraps; the collective itself runs unchanged."""
+    """Counts FSDP2's gradient reduce-scatters: FSDP2 calls `torch.distributed.reduce_scatter_single` (torch 2.13;
+    `reduce_scatter_tensor` in torch 2.11) through the module attribute, which this wraps; the collective itself runs
+    unchanged."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self._reduce_scatter = dist.reduce_scatter_single
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self._reduce_scatter = getattr(dist, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return self._reduce_scatter(*args, **kwargs)
 
-        dist.reduce_scatter_single = counted
+        setattr(dist, name, counted)
 
 
 def save_models(root: str) -> None:

@@ -45,7 +45,24 @@ def check_fsdp_reduce_schedule(schedule: str) -> str:
 def _param_groups(modules: list[nn.Module]) -> Iterator:
     """FSDP2's parameter groups, in module order (the same on every rank, so their collectives pair up)."""
     for module in modules:
-        yield from module._get_fsdp_state()._fsdp_param_groups
+        state = module._get_fsdp_state()
+        if hasattr(state, "_fsdp_param_groups"):
+            yield from state._fsdp_param_groups
+        elif state._fsdp_param_group is not None:  # older torch (2.11) keeps at most one group per module
+            yield state._fsdp_param_group
+
+
+def _pop_reduce_scatter_states(comm_ctx: object) -> list:
+    """The reduce-scatters still in flight, taken out of FSDP2's communication context: a list in newer torch, a single
+    optional `reduce_scatter_state` in older releases (torch 2.11)."""
+    if hasattr(comm_ctx, "reduce_scatter_states"):
+        states = list(comm_ctx.reduce_scatter_states)
+        comm_ctx.reduce_scatter_states.clear()
+        return states
+    state = getattr(comm_ctx, "reduce_scatter_state", None)  # unset before FSDP2's lazy init
+    if state is not None:
+        comm_ctx.reduce_scatter_state = None
+    return [] if state is None else [state]
 
 
 def no_sync_accumulation_dtypes(model: nn.Module, modules: list[nn.Module]) -> dict[str, torch.dtype]:
@@ -114,7 +131,7 @@ class OncePerWindow:
         except (ImportError, AttributeError) as error:
             raise ValueError(
                 "`fsdp_reduce_schedule='once_per_window'` relies on FSDP2 internals that this torch "
-                f"({torch.__version__}) does not have as torch 2.13 does ({error!r}). Use "
+                f"({torch.__version__}) does not have (read from torch 2.11 and 2.13) ({error!r}). Use "
                 "`fsdp_reduce_schedule='every_micro_batch'`, which needs only FSDP2's public API."
             ) from error
         inexact = {name: dtype for name, dtype in accumulation_dtypes.items() if dtype.itemsize < 4}
@@ -164,10 +181,9 @@ class OncePerWindow:
             group.finalize_backward()
         for module in self.modules:
             state = module._get_fsdp_state()
-            for rs_state in state._comm_ctx.reduce_scatter_states:
+            for rs_state in _pop_reduce_scatter_states(state._comm_ctx):
                 if rs_state.event is not None:
                     state._device_handle.current_stream().wait_event(rs_state.event)
-            state._comm_ctx.reduce_scatter_states.clear()
         self.pending = False
 
     def discard(self) -> None:
