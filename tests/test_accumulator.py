@@ -15,12 +15,13 @@ RTOL = 1e-5
 CASE_BY_NAME = {c.name: c for c in CASES}
 
 
-def _plain_loop(case, model, data, micro_sizes, steps, optimizer_cls=torch.optim.SGD, **opt_kwargs):
-    """Accumulate micro-batches of the given sizes (in order), one optimizer step per `steps` micro-batches."""
+def _plain_loop(case, model, data, micro_sizes, steps, optimizer_cls=torch.optim.SGD, path="auto", **opt_kwargs):
+    """Accumulate micro-batches of the given sizes (in order), one optimizer step per `steps` micro-batches, on the
+    accumulation path `path`."""
     model = copy.deepcopy(model)
     model.train()
     optimizer = optimizer_cls(model.parameters(), lr=1.0, **opt_kwargs)
-    acc = GradientAccumulator(model, gradient_accumulation_steps=steps)
+    acc = GradientAccumulator(model, gradient_accumulation_steps=steps, accumulation_path=path)
     start = 0
     for i, size in enumerate(micro_sizes):
         batch = default_data_collator([data[j] for j in range(start, start + size)])
@@ -49,7 +50,7 @@ def test_plain_loop_uneven_micro_batches_match_large_batch(name):
 
 def test_grad_is_a_view_of_the_fp32_buffer_no_second_copy():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    acc = GradientAccumulator(model, 2)
+    acc = GradientAccumulator(model, 2, accumulation_path="hooks")
     for _ in range(2):
         with acc.accumulate(model):
             acc.backward(model(torch.randn(3, 4)).sum(), num_items=3)

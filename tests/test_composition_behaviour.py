@@ -232,9 +232,11 @@ def test_sft_training_step_context_and_metrics_are_kept(order, tmp_path):
 
 
 def test_parent_training_step_that_bypasses_accelerator_backward(tmp_path):
-    """A parent `training_step` with its own `loss.backward()`: in fp32 its gradients are folded item-weighted as
-    the Accelerator's would be (the same weights, bit for bit); under fp16 the loss must be scaled first, so it is
-    refused before anything is applied."""
+    """A parent `training_step` with its own `loss.backward()`: in fp32 it keeps the hook path (`accumulation_path`
+    "auto" takes the in-place path only under a `training_step` known to hand its loss to the Accelerator), whose
+    hooks fold its gradients item-weighted as the Accelerator's would be (the same weights, bit for bit, as the hook
+    path under the stock step); under fp16 the loss must be scaled first, so it is refused before anything is
+    applied."""
     from transformers import Trainer
 
     class OwnBackward(Trainer):
@@ -245,14 +247,19 @@ def test_parent_training_step_that_bypasses_accelerator_backward(tmp_path):
 
     def train(cls, name, **overrides):
         args = GradAccumArguments(str(tmp_path / name), **{**TRAIN_ARGS, **overrides})
+        torch.manual_seed(0)  # the same initial weights in every run, whatever ran before
         trainer = cls(model=tiny_llama(), args=args, train_dataset=_token_rows(8), data_collator=_collate)
         trainer.train()
         return trainer
 
     composed = type("Composed", (GradAccumTrainer, OwnBackward), {})
-    own, plain = train(composed, "own"), train(GradAccumTrainer, "plain")
+    own, plain = train(composed, "own"), train(GradAccumTrainer, "plain", accumulation_path="hooks")
+    assert not own.accumulator.in_place
     for (name, a), (_, b) in zip(own.model.named_parameters(), plain.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+    # Forced onto the in-place path, where the weight rides on `accelerator.backward`, it is refused loudly.
+    with pytest.raises(RuntimeError, match="without calling `self.accelerator.backward"):
+        train(composed, "forced", accumulation_path="in_place")
     with pytest.raises(RuntimeError, match="without calling `self.accelerator.backward"):
         train(composed, "fp16", fp16=True)
 

@@ -106,3 +106,15 @@ def test_bert_recipe_under_two_process_launch_writes_report(tmp_path):
     assert arms["reference"]["effective_batch_size"] == arms["accumulated"]["effective_batch_size"] == 32
     assert arms["accumulated"]["matches_reference"] is True, arms["accumulated"]["verdict"]
     assert (out / "loss_curves.png").stat().st_size > 0 and (out / "parity_report.md").is_file()
+
+
+def test_in_place_path_under_ddp_with_parameters_touched_on_one_rank(tmp_path):
+    launch("in_place_rank_specific_parameters", str(tmp_path))
+    for r in (0, 1):
+        record = json.loads((tmp_path / f"in_place_rank{r}.json").read_text())
+        print(f"rank {r}: {record}")
+        for path in ("in_place", "hooks"):
+            assert record[path]["err"] <= ddp_workers.RTOL
+            assert record[path]["unused_unchanged"] and record[path]["window_items"] == 10
+            assert record[path]["reductions"] == 1
+        assert record["in_place"]["in_place"] and not record["hooks"]["in_place"]

@@ -198,12 +198,14 @@ def test_effective_batch_callback_works_with_the_stock_trainer(tmp_path, caplog)
         EffectiveBatchCallback(batchnorm_momentum_correction="yes")
 
 
-def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched(tmp_path, monkeypatch):
-    """Each micro-batch runs the parent's own `training_step` and `Accelerator.backward` once, with nothing swapped
-    on the Accelerator (in fp32 the accumulator's hooks fold the parent's own backward) and the Trainer's own
-    accumulation steps and `average_tokens_across_devices` in place (transformers >= 5.19; older releases see the
-    steps presented as 1), and the update equals the large batch's: one SGD step of 2 x 4 vs the stock Trainer on one
-    batch of 8, 1e-5 relative."""
+@pytest.mark.parametrize("path", ["auto", "in_place"])
+def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched(path, tmp_path, monkeypatch):
+    """Each micro-batch runs the parent's own `training_step` and `Accelerator.backward` once, with no scaler
+    installed (fp32, as in the stock Trainer), the Accelerator's `backward` routed through the accumulator only while
+    the micro-batch runs on the in-place path (and never on the hook path), the Trainer's own accumulation steps and
+    `average_tokens_across_devices` in place (transformers >= 5.19; older releases see the steps presented as 1), and
+    the update equals the large batch's: one SGD step of 2 x 4 vs the stock Trainer on one batch of 8, 1e-5
+    relative."""
     from accelerate import Accelerator
 
     from hf_gradaccum.adapters.compat import trainer_reads_loss_is_scaled_for_ga
@@ -216,12 +218,13 @@ def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched
         return original_backward(self, loss, **kwargs)
 
     monkeypatch.setattr(Accelerator, "backward", counting_backward)
-    swapped, seen = [], []
+    swapped, routed, seen = [], [], []
 
     class Recording(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
-            # fp32: no instance attribute on the Accelerator, and no scaler, as in the stock Trainer.
-            swapped.append("backward" in vars(self.accelerator) or self.accelerator.scaler is not None)
+            # fp32: no scaler, as in the stock Trainer.
+            swapped.append(self.accelerator.scaler is not None)
+            routed.append("backward" in vars(self.accelerator))
             seen.append((self.current_gradient_accumulation_steps, self.args.average_tokens_across_devices))
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -232,10 +235,13 @@ def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched
     torch.manual_seed(0)
     model = case.make_model()
     data = case.make_data(8, torch.Generator().manual_seed(3))
-    args = _args(tmp_path / "ours", optim="sgd", average_tokens_across_devices=True)
+    args = _args(tmp_path / "ours", optim="sgd", average_tokens_across_devices=True, accumulation_path=path)
     ours = Composed(model=copy.deepcopy(model), args=args, train_dataset=data)
     ours.train()
-    assert swapped == [False] * 4
+    # "auto" keeps the hook path under a `training_step` it does not know (this test's `Recording`).
+    assert ours.accumulator.in_place is (path == "in_place")
+    assert swapped == [False] * 4 and routed == [path == "in_place"] * 4
+    assert "backward" not in vars(ours.accelerator)
     assert seen == [(4 if trainer_reads_loss_is_scaled_for_ga() else 1, True)] * 4
     assert len(backward_calls) == 4
     ref_args = _args(

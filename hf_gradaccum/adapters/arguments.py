@@ -12,6 +12,7 @@ from transformers import TrainingArguments
 
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.fsdp2.schedule import check_fsdp_reduce_schedule
+from ..engine.in_place import check_accumulation_path
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule
@@ -154,6 +155,17 @@ class GradAccumFields:
             "(not FSDP2, whose buffer is sharded). Costs host-device copies: see docs/gpu/."
         },
     )
+    accumulation_path: str = field(
+        default="auto",
+        metadata={
+            "help": "How gradients are accumulated. 'auto': 'in_place' where it is exact (the parameters already in "
+            "the accumulation dtype, no fp16 loss scaling, not FSDP2/tensor-parallel, not offloaded), else 'hooks'. "
+            "'in_place': each micro-batch's loss is weighted by its items and autograd accumulates `.grad` itself "
+            "(no hook per parameter, no second copy of the gradients). 'hooks': every gradient is folded into a flat "
+            "fp32 buffer as autograd produces it. Same update either way.",
+            "choices": ["auto", "hooks", "in_place"],
+        },
+    )
     moe_load_balance: str = field(
         default="micro_batch",
         metadata={
@@ -262,6 +274,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
+    check_accumulation_path(gradaccum_option(args, "accumulation_path"))
     check_moe_load_balance(gradaccum_option(args, "moe_load_balance"))
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:

@@ -64,10 +64,27 @@ def hands_batch_to_loss_unchanged(trainer: Any) -> bool:
     ```
     """
     cls = trainer if isinstance(trainer, type) else type(trainer)
-    return (
-        _owner(cls, "training_step") in _PASS_THROUGH_TRAINING_STEPS
-        and _owner(cls, "_prepare_inputs") in _PASS_THROUGH_PREPARE_INPUTS
-    )
+    return training_step_passes_through(cls) and _owner(cls, "_prepare_inputs") in _PASS_THROUGH_PREPARE_INPUTS
+
+
+def training_step_passes_through(trainer: Any) -> bool:
+    """
+    Whether `trainer`'s `training_step` (the nearest class's, other than hf_gradaccum's) is one known to end in
+    `Trainer.training_step`, which back-propagates what `compute_loss` returned through `accelerator.backward`: where
+    the in-place accumulation path hands the item weight to the loss. A step that calls `loss.backward()` itself
+    keeps the hook path, which folds whatever gradients arrive.
+
+    Example:
+
+    ```python
+    >>> from transformers import Trainer
+    >>> from hf_gradaccum.adapters.loss_counting import training_step_passes_through
+    >>> training_step_passes_through(Trainer)
+    True
+    ```
+    """
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    return _owner(cls, "training_step") in _PASS_THROUGH_TRAINING_STEPS
 
 
 # Trainers whose loss divides by the `num_items_in_batch` the Trainer hands it, counted on the batch the loop handed to

@@ -71,7 +71,9 @@ from .loss_counting import (
     divides_by_handed_count,
     hands_batch_to_loss_unchanged,
     refuse_rebuilt_micro_batches,
+    training_step_passes_through,
 )
+from .loss_handover import backward_through
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
 from .parallelism import data_parallel_group
@@ -258,7 +260,14 @@ class GradAccumTrainer(Trainer):
             fsdp_reduce_schedule=gradaccum_option(self.args, "fsdp_reduce_schedule"),
             offload_accumulation_buffer=gradaccum_option(self.args, "offload_accumulation_buffer"),
             data_parallel_group=data_parallel_group(self),
+            accumulation_path=self._accumulation_path(),
         )
+
+    def _accumulation_path(self) -> str:
+        """`accumulation_path`, where `"auto"` keeps the hook path for a parent `training_step` not known to hand its
+        loss to `accelerator.backward` (the in-place path weights the loss there; hooks fold any backward)."""
+        path = gradaccum_option(self.args, "accumulation_path")
+        return "hooks" if path == "auto" and not training_step_passes_through(self) else path
 
     def _get_accumulator(self, model: nn.Module) -> GradientAccumulator:
         acc = self.accumulator
@@ -547,11 +556,22 @@ class GradAccumTrainer(Trainer):
         if self._present_one_step:
             self.current_gradient_accumulation_steps = 1
         self._install_loss_handover(accumulator)
+        # The in-place path weights the loss itself; without a `WindowGradScaler` to hand it over, the Accelerator's
+        # `backward` does, for this micro-batch only.
+        handover = (
+            backward_through(self.accelerator, hand_over)
+            if accumulator.in_place and not isinstance(self.accelerator.scaler, WindowGradScaler)
+            else contextlib.nullcontext()
+        )
         try:
             # No DDP all-reduce for any micro-batch (the last one included): the accumulator reduces its flat
             # buffer once per window.
             self._in_micro_step = True
-            with accumulator.accumulate(model), counting_at_the_loss(self, present, begin, items_for_loss) as seen:
+            with (
+                accumulator.accumulate(model),
+                handover,
+                counting_at_the_loss(self, present, begin, items_for_loss) as seen,
+            ):
                 self._seen_inputs = seen
                 loss = super().training_step(model, inputs, parent_items)
                 self._check_micro_batch_ran(accumulator, counted, handed_over[0])
@@ -645,7 +665,7 @@ class GradAccumTrainer(Trainer):
             loss_scaling
             or gradaccum_option(self.args, "take_back_skipped_steps")
             or trainer_shards_gradients(self)
-            or (accumulator is not None and not accumulator.loss_factor_is_one)
+            or (accumulator is not None and not accumulator.loss_factor_is_one and not accumulator.in_place)
         )
         if not needed or self._deepspeed_window is not None or isinstance(self.accelerator.scaler, WindowGradScaler):
             return

@@ -11,7 +11,9 @@ dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but 
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
 once per micro-batch. FSDP2 models keep sharded buffers (`fsdp2/`). fp16 overflows redo one micro-batch (`recompute.py`); the
-window's running totals live in `window.py`.
+window's running totals live in `window.py`. Where the parameters are already in the accumulation dtype and nothing
+must be checked before a gradient is accumulated (no fp16 loss scaling, replicated, not offloaded), the hooks are
+not needed: the in-place path (`in_place.py`) weights each loss by its items and lets autograd accumulate `.grad`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from .buffers import resolve_accumulation_dtype
 from .fsdp2.buffers import gradient_buffers_for, is_dtensor, refuse_sharded_engines
 from .fsdp2.schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
+from .in_place import InPlaceGradients, check_accumulation_path, why_not_in_place
 from .items import count_items_in_batch
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
@@ -88,6 +91,14 @@ class GradientAccumulator:
             autograd produces it (on a side stream) and folded on the host, so the GPU holds about one parameter's
             gradient at a time; the mean gradient returns to the GPU, in the parameters' dtype, at the window's end.
             Same update as the GPU buffer. Replicated (single-device, DDP) parameters only; see `engine/offload.py`.
+        accumulation_path (`str`, *optional*, defaults to `"auto"`):
+            How gradients reach the accumulation: `"hooks"` folds each parameter's gradient into a flat buffer as
+            autograd produces it (needed for bf16/fp16 parameters with fp32 buffers, fp16 loss scaling, FSDP2,
+            tensor parallelism and the offloaded buffer); `"in_place"` weights each micro-batch's loss by its items
+            and lets autograd accumulate `.grad` itself, with no hook (parameters already in `accumulation_dtype`,
+            none of the above; a `ValueError` says why otherwise); `"auto"` takes `"in_place"` where it applies.
+            Both give the same update. On the in-place path every loss must pass through the accumulator
+            ([`backward`], [`accumulate_micro_batch`] or [`loss_to_backward`]); see `engine/in_place.py`.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -127,6 +138,7 @@ class GradientAccumulator:
         fsdp_reduce_schedule: str = "every_micro_batch",
         offload_accumulation_buffer: bool = False,
         data_parallel_group: torch.distributed.ProcessGroup | None = None,
+        accumulation_path: str = "auto",
     ) -> None:
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
@@ -134,6 +146,7 @@ class GradientAccumulator:
             raise ValueError(f"`overflow_policy` must be one of {OVERFLOW_POLICIES}, got {overflow_policy!r}.")
         self.overflow_policy = overflow_policy
         check_fsdp_reduce_schedule(fsdp_reduce_schedule)
+        check_accumulation_path(accumulation_path)
         if not isinstance(offload_accumulation_buffer, bool):
             raise ValueError(
                 f"`offload_accumulation_buffer` must be True or False, got {offload_accumulation_buffer!r}."
@@ -160,9 +173,26 @@ class GradientAccumulator:
         # FSDP2 models get sharded buffers (`fsdp2/buffers.py`), others replicated ones (`buffers.py`). What differs between
         # the two (where the item weight is applied, how a micro-batch's flags are agreed, who reduces) is asked of
         # `self.buffers`, so the loop below has one code path for both.
-        self.buffers = gradient_buffers_for(
-            model, self.parameters, self.accumulation_dtype, reduce_gradients, offload=offload_accumulation_buffer
+        not_in_place = why_not_in_place(
+            self.parameters,
+            self.accumulation_dtype,
+            loss_scaled=loss_scaler is not None,
+            offload=offload_accumulation_buffer,
+            distributed_tensors=any(is_dtensor(p) for p in self.parameters),
         )
+        if accumulation_path == "in_place" and not_in_place:
+            raise ValueError(
+                f"`accumulation_path='in_place'` cannot be exact here: {not_in_place}. Use `accumulation_path='auto'` "
+                "(which takes the hook path then) or `'hooks'`."
+            )
+        self.in_place = accumulation_path != "hooks" and not_in_place is None
+        """Whether autograd accumulates `.grad` itself, each loss weighted by its items (`in_place.py`)."""
+        if self.in_place:
+            self.buffers = InPlaceGradients(self.parameters, self.accumulation_dtype)
+        else:
+            self.buffers = gradient_buffers_for(
+                model, self.parameters, self.accumulation_dtype, reduce_gradients, offload=offload_accumulation_buffer
+            )
         self.sharded = self.buffers.sharded
         # Tensor parallelism: a tensor-parallel group shares its batch, so the window is summed over the ranks that
         # see different batches only (`tensor_parallel.py`).
@@ -182,9 +212,16 @@ class GradientAccumulator:
         self._fold_alpha: float | None = None
         self._defer_fold = False
         self._micro: MicroBatch | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
+        self._hooks = (
+            []
+            if self.in_place
+            else [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.parameters)]
+        )
 
         self._window: WindowState | None = None
+        # In-place path: the gradients' identities and version counters after the latest micro-batch, compared at
+        # the next one and at the window's end (`_check_in_place_unchanged`).
+        self._in_place_state: list | None = None
         self._zero_item_backwards = 0  # FSDP2: weight-0 backwards of item-less micro-batches in this window
         self.micro_step = 0
         self.applied_steps = 0
@@ -216,6 +253,7 @@ class GradientAccumulator:
         for p in self.parameters:
             p.grad = None
         self._window = WindowState(len(self.parameters), self.buffers.first_device)
+        self._in_place_state = self.buffers.fingerprint() if self.in_place else None
 
     # ------------------------------------------------------------------ micro-batches
     @property
@@ -339,9 +377,10 @@ class GradientAccumulator:
 
     @property
     def loss_factor_is_one(self) -> bool:
-        """Whether [`loss_to_backward`] leaves a finite loss as it is: no loss scaling and replicated buffers (which
-        apply the item weight as they fold). Then a micro-batch's own `loss.backward()` accumulates it exactly."""
-        return self.loss_scaler is None and not self.sharded
+        """Whether [`loss_to_backward`] leaves a finite loss as it is: no loss scaling and replicated buffers on the
+        hook path (which apply the item weight as they fold). Then a micro-batch's own `loss.backward()` accumulates
+        it exactly."""
+        return self.loss_scaler is None and not self.sharded and not self.in_place
 
     @property
     def current_micro_batch(self) -> MicroBatch | None:
@@ -361,6 +400,7 @@ class GradientAccumulator:
             micro.loss_non_finite = None  # decided in `end_micro_batch`, without waiting for the forward here
         else:
             micro.loss_non_finite = micro.backward_needed and self._loss_non_finite(loss, micro.num_items)
+        micro.loss_weighted = True
         if not micro.backward_needed or micro.loss_non_finite:
             # Back-propagating a NaN would only fill the buffer with NaNs; the window is skipped either way.
             return torch.zeros((), device=loss.device, requires_grad=True)
@@ -389,6 +429,8 @@ class GradientAccumulator:
             raise RuntimeError("`end_micro_batch` called outside a micro-batch: call `begin_micro_batch` first.")
         self._fold_alpha, self._defer_fold = None, False
         window, n = self._window, micro.num_items
+        if self.in_place and micro.backward_needed:
+            self._check_in_place_micro_batch(micro)
         if not micro.backward_needed:
             self._drop_pending()  # a mean over no items is 0/0 and weighs nothing
             self._micro = None
@@ -467,6 +509,8 @@ class GradientAccumulator:
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:
             self._start_window()
+        elif self.in_place:
+            self._check_in_place_unchanged()
         self.micro_step += 1
         self._window.micro_steps += 1
         if num_items is None:
@@ -498,6 +542,8 @@ class GradientAccumulator:
         return self.buffers.agree(n > 0 and not bool(torch.isfinite(loss.detach()).all()))
 
     def _drop_pending(self) -> None:
+        if self.in_place:
+            return  # `.grad` holds the window's sum, and a dropped micro-batch back-propagated nothing into it
         for p in self.parameters:
             p.grad = None
 
@@ -518,6 +564,7 @@ class GradientAccumulator:
         if self._window is not None:
             self.micro_step -= self._window.micro_steps
         self._window = None
+        self._in_place_state = None
         self._micro, self._fold_alpha, self._defer_fold = None, None, False
         self._zero_item_backwards = 0
         if self.fsdp_schedule is not None:
@@ -537,12 +584,16 @@ class GradientAccumulator:
         if window is None or window.micro_steps == 0:
             raise RuntimeError("`finish_window()` called before any micro-batch of the window was accumulated.")
         self._flush_fsdp_schedule()
-        for p in self.parameters:
-            if p.grad is not None:
-                raise RuntimeError(
-                    "A parameter has a `.grad` that the accumulator did not fold: call `accumulator.backward(loss)` "
-                    "(or `accumulate_micro_batch`) instead of `loss.backward()`."
-                )
+        if self.in_place:
+            self._check_in_place_unchanged()
+            window.touched = self.buffers.local_touched()
+        else:
+            for p in self.parameters:
+                if p.grad is not None:
+                    raise RuntimeError(
+                        "A parameter has a `.grad` that the accumulator did not fold: call `accumulator.backward(loss)` "
+                        "(or `accumulate_micro_batch`) instead of `loss.backward()`."
+                    )
 
         world, rank = world_size_and_rank(self._reduce_gradients, self._data_parallel_group)
         reduced, collectives = reduce_window(
@@ -605,8 +656,37 @@ class GradientAccumulator:
             recomputed_micro_batches=window.recomputed,
         )
         self._window = None
+        self._in_place_state = None
         self.last_result = result
         return result
+
+    def _check_in_place_micro_batch(self, micro: MicroBatch) -> None:
+        """After an in-place micro-batch's backward: its loss must have been weighted (`loss_to_backward`), else the
+        window is discarded and refused. Then the gradients' state is recorded for the next check."""
+        if not micro.loss_weighted:
+            self.discard_window()
+            raise RuntimeError(
+                "On the in-place accumulation path each micro-batch's loss must be weighted by the accumulator before "
+                "its backward: back-propagate `accumulator.loss_to_backward(loss)` (or call `accumulator.backward(loss, "
+                "num_items=...)`), not `loss.backward()`. This window was discarded. To use `loss.backward()` "
+                "itself, build the accumulator with `accumulation_path='hooks'`."
+            )
+        self._in_place_state = self.buffers.fingerprint()
+
+    def _check_in_place_unchanged(self) -> None:
+        """Between micro-batches nothing but the accumulator may change `.grad`, which holds the window's sum so far:
+        a backward of a loss that did not pass through it (unweighted), or a `zero_grad()` (the micro-batches before
+        it lost). Either changes a gradient's identity or version counter; refused, the window discarded."""
+        if self._in_place_state is not None and self.buffers.fingerprint() != self._in_place_state:
+            self.discard_window()
+            raise RuntimeError(
+                "A parameter's `.grad` changed between the accumulator's micro-batches: a backward of a loss that did "
+                "not pass through the accumulator (call `accumulator.backward(loss)` or `accumulate_micro_batch` "
+                "instead of `loss.backward()`), or a `zero_grad()` between micro-batches (leave it to "
+                "`accumulator.step`, which calls it after the optimizer step). On the in-place path `.grad` holds the "
+                "window's sum, so this window was discarded; `accumulation_path='hooks'` tolerates neither silently "
+                "either, but folds each micro-batch as it arrives."
+            )
 
     def _flush_fsdp_schedule(self) -> None:
         """FSDP2 `once_per_window`: reduce-scatter gradients FSDP2 still holds unsynced (a partial window, or a
@@ -759,6 +839,8 @@ class GradientAccumulator:
             self._start_window()
             self.buffers.restore(window["buffers"])
             self._window.load_state_dict(window)
+            if self.in_place:
+                self._in_place_state = self.buffers.fingerprint()
 
     def remove_hooks(self) -> None:
         """Detach the accumulator from the model; `.grad` behaves as plain PyTorch again."""

@@ -164,5 +164,10 @@ class FlatGradientBuffers:
         return [b.detach().cpu().clone() for b in self.flat.values()]
 
     def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        if isinstance(saved, dict):
+            raise ValueError(
+                "This mid-window checkpoint was saved by an accumulator on the in-place path (`.grad` itself); this "
+                "one folds into buffers. Resume with `accumulation_path='in_place'` (or `'auto'`)."
+            )
         for buffer, tensor in zip(self.flat.values(), saved, strict=True):
             buffer.copy_(tensor)

@@ -49,7 +49,9 @@ class MicroBatch:
     """Whether the latest attempt's loss is inf/NaN; `None` until it is known."""
     attempt: int = 0
     gradients_arrived: bool = False
-    """Whether a backward produced gradients for the trainable parameters since the micro-batch began."""
+    """Whether a backward produced gradients for the trainable parameters since the micro-batch began (hook path)."""
+    loss_weighted: bool = False
+    """Whether the loss passed through `loss_to_backward` (the in-place path needs it: the weight rides on the loss)."""
 
 
 def back_off_after_overflow(

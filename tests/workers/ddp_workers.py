@@ -426,3 +426,64 @@ def masked_mean_with_an_item_less_micro_batch() -> dict:
         "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
         "hint_logged": any("clamp(min=1)" in m for m in records),
     }
+
+
+class TwoHeads(torch.nn.Module):
+    """A body and two heads: each rank's samples use one head, so each head gets a gradient on one rank only; a
+    third head is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 8)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](torch.tanh(self.body(x)))
+
+
+def in_place_rank_specific_parameters(out_dir: str) -> None:
+    """The in-place path under DDP (no_sync, one bucketed all-reduce of `.grad` per window): a parameter with a
+    gradient on one rank only is summed with the other rank's zeros; one with none on any rank keeps `.grad = None`,
+    so AdamW (weight decay 0.5) leaves it as the large batch does. Against the hook path and the hand-computed large
+    batch over both ranks' samples."""
+    fresh_accelerate_state()
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    initial = TwoHeads()
+    g = torch.Generator().manual_seed(5)
+    # Rank r's micro-batches (rows) all use head r.
+    sizes = {0: [3, 1], 1: [2, 4]}
+    data = {r: [(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)) for n in sizes[r]] for r in (0, 1)}
+    total = sum(sum(sizes[r]) for r in (0, 1))
+
+    reference = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    loss = sum(((reference(x, r) - y) ** 2).sum() for r in (0, 1) for x, y in data[r]) / total
+    loss.backward()
+    opt.step()
+
+    record = {"rank": rank}
+    for path in ("in_place", "hooks"):
+        model = copy.deepcopy(initial)
+        ddp_model, optimizer = accelerator.prepare(
+            model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        )
+        acc = GradientAccumulator(ddp_model, gradient_accumulation_steps=2, accumulation_path=path)
+        for x, y in data[rank]:
+            with acc.accumulate(ddp_model):
+                acc.backward(((ddp_model(x, rank) - y) ** 2).mean(), num_items=len(x))
+        result = acc.step(optimizer)
+        trained = accelerator.unwrap_model(ddp_model)
+        record[path] = {
+            "in_place": acc.in_place,
+            "err": relative_update_error(initial, trained, reference),
+            "window_items": result.num_items,
+            "unused_unchanged": bool(torch.equal(trained.heads[2].weight, initial.heads[2].weight)),
+            "reductions": acc.num_gradient_reductions,
+        }
+    with open(os.path.join(out_dir, f"in_place_rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    for path in ("in_place", "hooks"):
+        assert record[path]["err"] <= RTOL and record[path]["unused_unchanged"], record
+    assert record["in_place"]["in_place"] and not record["hooks"]["in_place"], record
