@@ -112,11 +112,11 @@ class InPlaceGradients:
         """Which parameters got a gradient on this rank in this window."""
         return [p.grad is not None for p in self.parameters]
 
-    def fingerprint(self) -> list[tuple[int, int, int] | None]:
-        """Each gradient's identity, storage and version counter: any backward into it or `zero_grad()` on it changes
-        this (autograd's in-place accumulation and `zero_()` bump the version; `set_to_none` and a new tensor change
-        the identity)."""
-        return [None if (g := p.grad) is None else (id(g), g.data_ptr(), g._version) for p in self.parameters]
+    def fingerprint(self) -> list[tuple[int, int] | None]:
+        """Each gradient's identity and version counter: any backward into it or `zero_grad()` on it changes this
+        (autograd's in-place accumulation and `zero_()` bump the version; `set_to_none` and a new tensor change the
+        identity, and the tensors compared are alive, so no identity is reused)."""
+        return [None if (g := p.grad) is None else (id(g), g._version) for p in self.parameters]
 
     def weighting(self, num_items: float, scale: float) -> tuple[float, None]:
         """`(loss_factor, None)`: the loss carries the item weight (there is no fold)."""
@@ -131,7 +131,14 @@ class InPlaceGradients:
             torch._foreach_mul_(grads, factor)
 
     def all_finite(self) -> bool:
-        return all(all_finite(g) for g in self._grads())
+        """Whether every gradient is finite: one multi-tensor max-abs (which cannot overflow, and propagates NaN)
+        and one read on the host."""
+        grads = self._grads()
+        if not grads:
+            return True
+        if not hasattr(torch, "_foreach_norm"):
+            return all(all_finite(g) for g in grads)
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
 
     def all_finite_on_every_rank(self) -> bool:
         return self.all_finite()
