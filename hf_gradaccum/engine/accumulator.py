@@ -609,7 +609,11 @@ class GradientAccumulator:
             self.num_gradient_reductions += 1
             self.num_collectives += collectives
         items, loss_sum = reduced.items, reduced.loss_sum
-        finite_grads = self.buffers.all_finite_on_every_rank()
+        # The in-place path divides by the window's items in the same pass that checks the gradients.
+        prescaled = self.in_place and items > 0
+        finite_grads = (
+            self.buffers.scale_and_check_(1.0 / items) if prescaled else self.buffers.all_finite_on_every_rank()
+        )
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"
@@ -621,7 +625,8 @@ class GradientAccumulator:
             skip_reason = "non_finite_grad" if self.loss_scaler is None else "overflow"
 
         if skip_reason is None:
-            self.buffers.scale_(1.0 / items)
+            if not prescaled:
+                self.buffers.scale_(1.0 / items)
             for i, (p, got_grad) in enumerate(zip(self.parameters, reduced.touched, strict=True)):
                 # Same dtype: the buffer view *is* the gradient, so no second copy of the gradients exists.
                 p.grad = self.buffers.gradient_for(i, p.dtype) if got_grad else None

@@ -145,6 +145,22 @@ class InPlaceGradients:
     def all_finite_on_every_rank(self) -> bool:
         return self.all_finite()
 
+    def scale_and_check_(self, factor: float) -> bool:
+        """`scale_(factor)` and `all_finite()` in one pass over the gradients where torch has the fused kernel
+        (`GradScaler`'s unscale-and-check), two otherwise. Returns whether every gradient is finite."""
+        grads = self._grads()
+        if not grads:
+            return True
+        try:
+            found_inf = torch.zeros(1, device=grads[0].device)
+            inv = torch.full((1,), factor, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+            return not bool(found_inf.item())
+        except (AttributeError, NotImplementedError, RuntimeError):  # no fused kernel for this device or torch
+            finite = self.all_finite()
+            self.scale_(factor)
+            return finite
+
     def all_reduce_(self, group: torch.distributed.ProcessGroup | None = None) -> int:
         """Sum every parameter's gradient over `group`'s ranks, in flat buckets of one dtype and device; a parameter
         without a gradient on this rank takes part with zeros (another rank may have one). Returns the number of
