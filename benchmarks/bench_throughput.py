@@ -71,6 +71,8 @@ whole grid (48 workers) takes about 14 minutes there, not the 4 minutes hoped fo
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import platform
@@ -79,6 +81,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -283,7 +288,9 @@ def run_trainer(spec: dict[str, Any], model: Any, data: list[dict[str, Any]], me
 
     gradaccum = spec["runner"] == "gradaccum"
     args_cls, trainer_cls = (GradAccumArguments, GradAccumTrainer) if gradaccum else (TrainingArguments, Trainer)
+    path = {"accumulation_path": spec.get("accumulation_path", "auto")} if gradaccum else {}
     args = args_cls(
+        **path,
         output_dir=tempfile.mkdtemp(prefix="bench_throughput_"),
         per_device_train_batch_size=spec["micro_batch"],
         gradient_accumulation_steps=spec["ga"],
@@ -374,7 +381,10 @@ def run_gradaccum_loop(spec: dict[str, Any], model: Any, data: list[dict[str, An
     model.train()
     meter.begin()
     accumulator = GradientAccumulator(
-        model, gradient_accumulation_steps=spec["ga"], loss_scaler=DynamicLossScaler() if fp16 else None
+        model,
+        gradient_accumulation_steps=spec["ga"],
+        loss_scaler=DynamicLossScaler() if fp16 else None,
+        accumulation_path=spec.get("accumulation_path", "auto"),
     )
     for batch in loader:
         with accumulator.accumulate(model):
@@ -403,6 +413,36 @@ RUNNER_FUNCTIONS = {
     "accelerate_loop": run_accelerate_loop,
     "gradaccum_loop": run_gradaccum_loop,
 }
+
+
+@contextlib.contextmanager
+def _cuda_sync_trace(enabled: bool) -> Iterator[list[dict[str, Any]] | None]:
+    """Count every host synchronisation CUDA reports during training, grouped by the Python stack that caused it.
+
+    A sync inside the accumulation window stalls the host until the GPU drains, so the next micro-batch's kernels
+    are not queued in time; on a CPU they cost nothing, which is why only a GPU run can find them.
+    """
+    if not enabled:
+        yield None
+        return
+    import torch
+
+    counts: collections.Counter[str] = collections.Counter()
+    points: list[dict[str, Any]] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        counts["\n".join(f"{f.filename}:{f.lineno} {f.name}" for f in frames[-8:])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield points
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    points.extend({"count": n, "stack": stack} for stack, n in counts.most_common(12))
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -447,7 +487,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     result["setup_s"] = time.perf_counter() - t0
     meter = _Meter(spec["device"])
     try:
-        result.update(RUNNER_FUNCTIONS[spec["runner"]](spec, model, data, meter))
+        with _cuda_sync_trace(spec.get("cuda_sync_trace", False)) as sync_points:
+            result.update(RUNNER_FUNCTIONS[spec["runner"]](spec, model, data, meter))
+        if sync_points is not None:
+            result["cuda_sync_points"] = sync_points
     except SkipConfiguration as reason:
         return {**result, "status": "skipped", "reason": str(reason)}
     except Exception as error:
@@ -563,6 +606,8 @@ def make_spec(
         "lr": 1e-5,
         "seed": opts.seed,
         "cpu_threads": opts.cpu_threads if opts.device == "cpu" else None,
+        "accumulation_path": getattr(opts, "accumulation_path", "auto"),
+        "cuda_sync_trace": getattr(opts, "cuda_sync_trace", False),
         **({"round": round_index} if opts.rounds > 1 else {}),
     }
 
@@ -813,6 +858,17 @@ def main(argv: list[str] | None = None) -> int:
         help="speed from wall time or from the worker's process CPU time (steadier on a shared CPU)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--accumulation_path",
+        choices=("auto", "hooks", "in_place"),
+        default="auto",
+        help="how GradAccumTrainer and GradientAccumulator fold micro-batches (see GradAccumArguments)",
+    )
+    parser.add_argument(
+        "--cuda_sync_trace",
+        action="store_true",
+        help="record every host synchronisation during training with its Python stack (slower; CUDA only)",
+    )
     parser.add_argument("--out", default=str(RESULTS_DIR / "throughput.json"), help="JSON path; .md and .png beside")
     parser.add_argument(
         "--resume",
