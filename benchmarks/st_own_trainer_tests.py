@@ -243,9 +243,11 @@ def run_configuration(tests: Path, mode: str, ga: int, pytest_args: list[str]) -
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(REPO), env.get("PYTHONPATH", "")])
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
-        command = [sys.executable, "-m", "pytest", str(tests), "-p", "st_own_trainer_tests", "-q", "-rN", "-W", "ignore"]
+        command = [sys.executable, "-m", "pytest", str(tests), "-p", "st_own_trainer_tests", "-q", "-rN"]
         start = time.time()
-        process = subprocess.run(command + pytest_args, env=env, cwd=str(tests), capture_output=True, text=True)
+        process = subprocess.run(
+            [*command, "-W", "ignore", *pytest_args], env=env, cwd=str(tests), capture_output=True, text=True
+        )
         seconds = time.time() - start
         if not result.exists():
             raise RuntimeError(f"pytest wrote no results ({mode}, GA={ga}):\n{process.stdout[-3000:]}{process.stderr}")
