@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_layers", type=int, default=96, help="Upper end of the largest-model search.")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"Comma-separated subset of {ARMS}.")
     parser.add_argument("--timeout", type=int, default=180, help="Seconds per worker process.")
+    parser.add_argument(
+        "--cpu_threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: torch's own); 1 keeps CPU timings steady on a shared machine",
+    )
     parser.add_argument("--out", type=Path, default=None, help="Write the results here (.json, and .md beside it).")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -265,6 +271,10 @@ def _largest_model(args: argparse.Namespace, arm: str) -> dict[str, Any]:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     task = json.loads(args.worker)
     kind, arm = task["kind"], task["arm"]
+    if args.cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     if kind == "time":
         result = _timed_run(args, arm)
         if task.get("path"):  # the exactness check, in the same process (after the timed run's peak was read)

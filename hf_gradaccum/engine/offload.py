@@ -177,7 +177,8 @@ class OffloadedGradientBuffers(FlatGradientBuffers):
             try:
                 if copied is not None:
                     copied.synchronize()
-                view.add_(staged.view_as(view), alpha=alpha)
+                # Only the host thread adds into the buffer, so the one widening scratch serves every fold.
+                self._add(view, staged.view_as(view), alpha)
             finally:
                 slot.free.set()
 
