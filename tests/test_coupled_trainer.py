@@ -29,7 +29,7 @@ def _rows(case: str) -> list[dict]:
     return rows
 
 
-def _args(tmp_path, dropout_seed: int = 0) -> GradAccumArguments:
+def _args(tmp_path, dropout_seed: int = 0, use_cpu: bool = True) -> GradAccumArguments:
     return GradAccumArguments(
         str(tmp_path),
         per_device_train_batch_size=4,
@@ -43,7 +43,7 @@ def _args(tmp_path, dropout_seed: int = 0) -> GradAccumArguments:
         remove_unused_columns=False,
         report_to="none",
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=use_cpu,
         seed=dropout_seed,
         logging_steps=1,
         disable_tqdm=True,

@@ -1,6 +1,7 @@
 """The CUDA paths: GradAccumTrainer on a GPU in fp32, fp16 through Accelerate's native autocast with this project's
 loss scaling, bf16 parameters with fp32 buffers, a real CUDA out-of-memory error under a capped allocator, and
-GradAccumTrainer under Accelerate's FSDP2 plugin with NCCL. Skipped without a GPU (CI has none); the results of the
+GradAccumTrainer under Accelerate's FSDP2 plugin with NCCL, the offloaded buffer, and the coupled-loss and MoE window
+modes. Skipped without a GPU (CI has none); the results of the
 last GPU run are in docs/limits.md. References are computed on the CPU in fp32 from the same initial weights."""
 
 import copy
@@ -225,3 +226,57 @@ def test_offloaded_buffer_holds_no_gradient_on_cuda_between_micro_batches():
     assert max(held[True]) <= largest  # at most about one layer's gradient (the window's small statistics)
     err = float((grads[True] - grads[False]).norm() / grads[False].norm())
     assert err <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["clip", "ranking"])
+def test_trainer_coupled_mode_on_cuda_matches_large_batch(case, tmp_path):
+    """The coupled-loss mode on the GPU, dropout on: pass 2 recomputes pass 1 bitwise from the saved CUDA RNG states,
+    and the step equals the large batch's one graph over the same masks (computed on the GPU from those states)."""
+    from tests.test_coupled_trainer import _args, _rows, _update
+    from tests.workers.coupled_cases import CASES as COUPLED_CASES
+    from tests.workers.coupled_cases import reference_gradient, relative_error
+
+    torch.manual_seed(0)
+    model, coupled, _ = COUPLED_CASES[case](0.1, check_recompute=True)
+    model0 = copy.deepcopy(model)
+    trainer = GradAccumTrainer(
+        model=model, args=_args(tmp_path, use_cpu=False), train_dataset=_rows(case), coupled_loss=coupled
+    )
+    trainer.train()
+    assert trainer.args.device.type == "cuda"
+    window = coupled.last_window
+    assert window.recompute_max_abs_diff == [0.0, 0.0, 0.0]
+    reference = reference_gradient(model0.to("cuda"), coupled, trainer.coupled_mode.batches, window.rng_states)
+    err = relative_error(_update(model0.cpu(), trainer.model.cpu()), -reference.cpu())
+    print(f"CUDA coupled mode {case}: relative update error {err:.2e}")
+    assert err <= RTOL
+
+
+def test_trainer_moe_window_mode_on_cuda_matches_large_batch(tmp_path):
+    """Window-level MoE load balancing on the GPU (tiny Mixtral, uneven padded micro-batches and windows) against one
+    SGD step per window on the whole window as one batch, computed on the GPU."""
+    from tests.composition_cases import (
+        NUM_SAMPLES,
+        TRAIN_ARGS,
+        sgd_reference,
+        tiny_mixtral,
+        train_and_collect,
+        update_error,
+    )
+    from tests.test_moe_balance import _collate, _rows, large_batch_loss
+
+    def on_gpu_loss(model, window):
+        return large_batch_loss(model, [{k: v.to("cuda") for k, v in b.items()} for b in window])
+
+    errors = {}
+    for mode in ("window", "micro_batch"):
+        torch.manual_seed(0)
+        args = GradAccumArguments(str(tmp_path / mode), moe_load_balance=mode, **{**TRAIN_ARGS, "use_cpu": False})
+        trainer, windows, initial, start = train_and_collect(
+            GradAccumTrainer, args, model=tiny_mixtral(), train_dataset=_rows(NUM_SAMPLES), data_collator=_collate
+        )
+        assert trainer.args.device.type == "cuda"
+        errors[mode] = update_error(initial, trainer.model, sgd_reference(start, windows, on_gpu_loss))
+    print(f"CUDA MoE: relative update error, window {errors['window']:.2e}, micro_batch {errors['micro_batch']:.2e}")
+    assert errors["window"] <= RTOL
+    assert errors["micro_batch"] > 100 * errors["window"]
