@@ -188,6 +188,7 @@ class Recorder:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
+        """Fold each phase's report (setup, call, teardown) into the test's record: the first failure or skip wins."""
         outcome = yield
         report = outcome.get_result()
         record = self.records.setdefault(item.nodeid, {"outcome": "passed", "duration": 0.0})
@@ -206,6 +207,7 @@ class Recorder:
                     record["offline"] = True
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Write the records (with the mode and GA) to the recorder's file."""
         Path(self.path).write_text(json.dumps({"mode": self.mode, "ga": self.ga, "tests": self.records}, indent=1))
 
 

@@ -175,3 +175,24 @@ def test_registered_loss_takes_its_route():
     assert sentence_transformers_route(InBatchCentredLoss(None))[0] == "checked"
     with pytest.raises(ValueError, match="compute_loss_from_embeddings"):
         register_sentence_transformers_loss(Declared, "coupled")
+
+
+def test_registration_does_not_cover_a_subclass_that_redefines_the_loss():
+    """A subclass that keeps the registered loss's methods inherits its route; one that overrides `forward` (a loss
+    of its own: the coupled route would replay the parent's `compute_loss_from_embeddings` and skip it) does not."""
+
+    class Declared(RowLoss):
+        pass
+
+    class Renamed(Declared):
+        pass
+
+    class OwnForward(Declared):
+        def forward(self, features, labels=None):
+            return 2 * super().forward(features, labels)
+
+    register_sentence_transformers_loss(Declared, "item_mean")
+    assert sentence_transformers_route(Renamed(None))[0] == "item_mean"
+    assert sentence_transformers_route(OwnForward(None))[0] == "checked"
+    register_sentence_transformers_loss(OwnForward, "item_mean")
+    assert sentence_transformers_route(OwnForward(None))[0] == "item_mean"

@@ -79,6 +79,20 @@ def test_zero_gradient_is_exact_not_undecidable():
     assert any("zero" in note for note in result.notes)
 
 
+def test_zero_window_gradient_with_a_nonzero_split_is_not_exact():
+    """A loss over the micro-batch's rows (here their variance) is zero on micro-batches of one row, so the window's
+    own gradient is zero, while the merged split (two rows) is not: the check must say "not exact" with the batch
+    coupling as the cause, not "cannot decide" with a non-deterministic forward blamed for an infinite difference."""
+    model = torch.nn.Linear(3, 1)
+    window = [{"x": torch.randn(1, 3)} for _ in range(2)]
+    result = verify_split_invariance(
+        model, window, loss_fn=lambda m, b: m(b["x"]).var(unbiased=False), count_items=_rows
+    )
+    assert result.verdict == "not_exact", result.summary()
+    assert result.rel_diffs["merge"] == 1.0 and result.rel_diffs["repeat"] == 0.0
+    assert result.diagnosis is not None and any(c.kind == "loss_not_an_item_mean" for c in result.diagnosis.causes)
+
+
 def test_float64_context_restores_the_same_tensors():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     weight = model[0].weight

@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 ROUTES = ("coupled", "item_mean", "refused", "checked")
 
 _REGISTERED: dict[type, str] = {}
+LOSS_METHODS = ("forward", "compute_loss_from_embeddings")
+"""What makes a loss class the loss it is: a subclass overriding either is not covered by its parent's registration."""
 
 
 class SentenceTransformersLossError(ValueError):
@@ -92,6 +94,9 @@ def register_sentence_transformers_loss(loss_cls: type, route: str) -> None:
       "embed every column with `self.model`, then that method": gradient caching over the window (exact);
     - `"item_mean"`: the loss is a mean over independent rows (no sample's loss depends on another sample):
       plain accumulation weighted by rows (exact).
+
+    The declaration covers subclasses that keep its `forward` and `compute_loss_from_embeddings`; a subclass that
+    overrides either is routed on its own (declare it too if its new method keeps the contract).
 
     Example:
 
@@ -135,7 +140,12 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
     loss_cls = type(loss)
     for cls in loss_cls.__mro__:
         if cls in _REGISTERED:
-            return _REGISTERED[cls], f"{cls.__name__} registered as {_REGISTERED[cls]!r}"
+            # A subclass that defines its own loss below the registered class is another loss (the coupled route
+            # would replay the registered `compute_loss_from_embeddings` and never call that `forward`): it is
+            # routed as any loss, by the class that defines its `forward`.
+            if all(_defining_class(loss_cls, name) is _defining_class(cls, name) for name in LOSS_METHODS):
+                return _REGISTERED[cls], f"{cls.__name__} registered as {_REGISTERED[cls]!r}"
+            break
     if loss_cls.__name__ in CACHED_LOSSES:
         return "refused", "it caches gradients within one micro-batch, so its negatives are the micro-batch's only"
     forward_owner = _defining_class(loss_cls, "forward")
