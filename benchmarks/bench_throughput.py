@@ -886,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 2 (the first step is warmup)")
     if any(g < 1 for g in opts.ga):
         parser.error("--ga values must be >= 1")
+    if opts.cuda_sync_trace and opts.device != "cuda":
+        parser.error("--cuda_sync_trace needs --device cuda (CUDA reports the host synchronisations)")
 
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
