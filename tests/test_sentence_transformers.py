@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+import datasets
 import pytest
 import torch
 
@@ -196,3 +197,57 @@ def test_registration_does_not_cover_a_subclass_that_redefines_the_loss():
     assert sentence_transformers_route(OwnForward(None))[0] == "checked"
     register_sentence_transformers_loss(OwnForward, "item_mean")
     assert sentence_transformers_route(OwnForward(None))[0] == "item_mean"
+
+
+def _columns(n: int, columns: tuple[str, ...], label: str | None) -> datasets.Dataset:
+    """`n` rows with the text columns of `pairs` (a third column is the positive of the next row) and a label:
+    `score` (a float in [0, 1]), `binary` (0 or 1), `two` (two teacher scores)."""
+    base = pairs(n, labels=True)
+    texts = {"anchor": base["anchor"], "positive": base["positive"]}
+    texts["negative"] = texts["positive"][1:] + texts["positive"][:1]
+    rows = {name: texts[name] for name in columns}
+    scores = base["label"]
+    if label == "score":
+        rows["label"] = scores
+    elif label == "binary":
+        rows["label"] = [float(s > 0.5) for s in scores]
+    elif label == "two":
+        rows["label"] = [[4 * s, 4 * (1 - s)] for s in scores]
+    return datasets.Dataset.from_dict(rows)
+
+
+ROW_MEAN_CASES = {
+    "cosine_similarity": (lambda m: losses.CosineSimilarityLoss(m), ("anchor", "positive"), "score"),
+    "contrastive": (lambda m: losses.ContrastiveLoss(m), ("anchor", "positive"), "binary"),
+    "triplet": (lambda m: losses.TripletLoss(m), ("anchor", "positive", "negative"), None),
+    "margin_mse": (lambda m: losses.MarginMSELoss(m), ("anchor", "positive", "negative"), "score"),
+    "distill_kl_div": (lambda m: losses.DistillKLDivLoss(m), ("anchor", "positive", "negative"), "two"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROW_MEAN_CASES))
+def test_row_mean_embedding_losses_take_plain_accumulation_and_are_exact(tmp_path, case):
+    """Losses that are a mean over independent rows need no gradient caching: routed `item_mean` (no extra forward),
+    one step at GA = K equals the stock trainer's one batch of b x K."""
+    make_loss, columns, label = ROW_MEAN_CASES[case]
+    data = _columns(B * K, columns, label)
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path / "large", make_loss, B * K, 1, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path / "ours", make_loss, B, K, data)
+    err = relative_difference(ours, large)
+    print(f"{case}: route {trainer._st_route}, relative difference from the large batch {err:.2e}")
+    assert trainer._st_route == "item_mean" and trainer.coupled_mode is None
+    assert err <= TOL
+
+
+def test_row_mean_loss_with_settings_not_recognised_keeps_the_coupled_route(tmp_path):
+    """A summed (not averaged) CosineSimilarityLoss is not a row mean: it keeps the coupled route, and is exact."""
+    data = _columns(B * K, ("anchor", "positive"), "score")
+
+    def make_loss(model):
+        return losses.CosineSimilarityLoss(model, loss_fct=torch.nn.MSELoss(reduction="sum"))
+
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path / "large", make_loss, B * K, 1, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path / "ours", make_loss, B, K, data)
+    assert trainer._st_route == "coupled"
+    assert relative_difference(ours, large) <= TOL
+    assert sentence_transformers_route(losses.ContrastiveLoss(None, size_average=False))[0] == "coupled"

@@ -117,6 +117,15 @@ EMBEDDING_LOSSES = (
     "BatchHardSoftMarginTripletLoss",
     "BatchSemiHardTripletLoss",
 )
+# Embedding losses that are a mean over independent rows when built with the settings `row_mean_settings` accepts:
+# plain accumulation weighted by rows is exact for them, without the coupled mode's extra forward per micro-batch.
+ROW_MEAN_EMBEDDING_LOSSES = (
+    "CosineSimilarityLoss",
+    "ContrastiveLoss",
+    "TripletLoss",
+    "MarginMSELoss",
+    "DistillKLDivLoss",
+)
 # `forward` runs the guide model too: replayed on the window's embeddings by `_gist_coupled_loss`.
 GUIDED_LOSSES = ("GISTEmbedLoss",)
 # `forward` embeds the columns with `self.model` (sentence-transformers' `embed_columns`) and computes everything
@@ -166,6 +175,10 @@ def _sentence_transformers_rows() -> dict[tuple[str, str], Accumulation]:
     coupled = Accumulation("coupled", "the window's embeddings through the loss (rows weighted)")
     for loss in (*EMBEDDING_LOSSES, *GUIDED_LOSSES):
         rows["SentenceTransformerTrainer", loss] = coupled
+    for loss in ROW_MEAN_EMBEDDING_LOSSES:
+        rows["SentenceTransformerTrainer", loss] = Accumulation(
+            "items", "rows, when built as a mean over rows (its default settings); other settings: coupled"
+        )
     for loss in REPLAYED_LOSSES:
         rows["SparseEncoderTrainer", loss] = coupled
     for loss in MULTI_VECTOR_LOSSES:

@@ -16,7 +16,10 @@ order) therefore routes the loss, on the first training window, to one of:
   replayed on the window's embeddings: the ranking loss and the FLOPS regularisers, which are batch means, see the
   whole window). Micro-batches are weighted by rows. Exact.
 - **item_mean**: CrossEncoder losses that are a mean over independent pairs (`BinaryCrossEntropyLoss`,
-  `CrossEntropyLoss`, `MSELoss`, `MarginMSELoss`): plain accumulation weighted by rows. Exact.
+  `CrossEntropyLoss`, `MSELoss`, `MarginMSELoss`), and the embedding losses that are a mean over independent rows
+  with the settings they were built with (`CosineSimilarityLoss`, `ContrastiveLoss`, `TripletLoss`,
+  `MarginMSELoss`, `DistillKLDivLoss`: [`row_mean_settings`]): plain accumulation weighted by rows. Exact, and
+  without the coupled mode's extra forward per micro-batch.
 - **refused**: a cached loss (`Cached*`) under accumulation: it caches within one micro-batch only, so its negatives
   are the micro-batch's. The error names the non-cached loss to use instead.
 - **checked**: any other loss. Before the first optimizer step the split-invariance check runs on the first window
@@ -47,6 +50,7 @@ from .compositions import (
     GUIDED_LOSSES,
     MULTI_VECTOR_LOSSES,
     REPLAYED_LOSSES,
+    ROW_MEAN_EMBEDDING_LOSSES,
     SENTENCE_TRANSFORMERS_TRAINERS,
 )
 from .coupled import CoupledWindowMode
@@ -158,9 +162,80 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
         return "coupled", f"{owner}'s forward replayed on the window's token embeddings"
     if owner in CROSS_ENCODER_ROW_LOSSES and _is_cross_encoder_loss(forward_owner):
         return "item_mean", f"{owner} is a mean over independent query-document pairs"
+    if (
+        owner in ROW_MEAN_EMBEDDING_LOSSES
+        and _defining_class(loss_cls, "compute_loss_from_embeddings") is forward_owner
+    ):
+        settings = row_mean_settings(loss)
+        if settings is not None:
+            return "item_mean", f"{owner} is a mean over independent rows ({settings})"
     if owner in EMBEDDING_LOSSES and callable(getattr(loss, "compute_loss_from_embeddings", None)):
         return "coupled", f"{owner}.compute_loss_from_embeddings on the window's embeddings"
     return "checked", "not a loss GradAccumTrainer knows how to accumulate"
+
+
+def row_mean_settings(loss: nn.Module) -> str | None:
+    """
+    Whether a `CosineSimilarityLoss`, `ContrastiveLoss`, `TripletLoss`, `MarginMSELoss` or `DistillKLDivLoss` is, with
+    the settings it was built with, a mean over independent rows: its score or distance function compares each row's
+    own embeddings only, and it averages over rows. Returns the settings that make it so, or `None` for anything
+    not recognised (a custom `loss_fct`, a sum instead of a mean, a similarity function of your own), which keeps the
+    coupled route: exact too, at one more forward per micro-batch.
+
+    Example:
+
+    ```python
+    >>> from sentence_transformers import losses  # doctest: +SKIP
+    >>> row_mean_settings(losses.ContrastiveLoss(model))  # doctest: +SKIP
+    'size_average=True, a per-row distance'
+    ```
+    """
+    from sentence_transformers import util
+
+    per_row = {
+        util.pairwise_dot_score,
+        util.pairwise_cos_sim,
+        util.pairwise_euclidean_sim,
+        util.pairwise_manhattan_sim,
+        util.pairwise_angle_sim,
+    }
+    name = type(loss).__name__
+    if name == "CosineSimilarityLoss":
+        fct, transform = getattr(loss, "loss_fct", None), getattr(loss, "cos_score_transformation", None)
+        elementwise = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
+        if type(fct) in elementwise and fct.reduction == "mean" and type(transform) is nn.Identity:
+            return f"loss_fct={type(fct).__name__}(reduction='mean') over one score per row"
+        return None
+    metrics = _metric_functions(loss)
+    if name == "ContrastiveLoss":
+        if getattr(loss, "size_average", None) is True and getattr(loss, "distance_metric", None) in metrics:
+            return "size_average=True, a per-row distance"
+        return None
+    if name == "TripletLoss":
+        return "a per-row distance, mean over triplets" if getattr(loss, "distance_metric", None) in metrics else None
+    if name in ("MarginMSELoss", "DistillKLDivLoss"):
+        fct = getattr(loss, "loss_fct", None)
+        reductions = {"MarginMSELoss": (nn.MSELoss, "mean"), "DistillKLDivLoss": (nn.KLDivLoss, "batchmean")}[name]
+        if (
+            getattr(loss, "similarity_fct", None) in per_row
+            and type(fct) is reductions[0]
+            and fct.reduction == reductions[1]
+        ):
+            return f"a per-row similarity, {type(fct).__name__}(reduction={reductions[1]!r})"
+        return None
+    return None
+
+
+def _metric_functions(loss: nn.Module) -> list[Any]:
+    """The distance functions of the loss's module-level metric class (`TripletDistanceMetric`,
+    `SiameseDistanceMetric`): each compares one row's embeddings only."""
+    module = sys.modules.get(type(loss).__module__)
+    functions: list[Any] = []
+    for class_name in ("TripletDistanceMetric", "SiameseDistanceMetric"):
+        holder = getattr(module, class_name, None)
+        if holder is not None:
+            functions += [value for key, value in vars(holder).items() if key.isupper() and callable(value)]
+    return functions
 
 
 def _is_cross_encoder_loss(cls: type | None) -> bool:
