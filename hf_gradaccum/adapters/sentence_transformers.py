@@ -162,10 +162,9 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
         return "coupled", f"{owner}'s forward replayed on the window's token embeddings"
     if owner in CROSS_ENCODER_ROW_LOSSES and _is_cross_encoder_loss(forward_owner):
         return "item_mean", f"{owner} is a mean over independent query-document pairs"
-    if (
-        owner in ROW_MEAN_EMBEDDING_LOSSES
-        and _defining_class(loss_cls, "compute_loss_from_embeddings") is forward_owner
-    ):
+    # Its `forward` is the known class's, and so is `compute_loss_from_embeddings` (older releases have none).
+    loss_method = _defining_class(loss_cls, "compute_loss_from_embeddings")
+    if owner in ROW_MEAN_EMBEDDING_LOSSES and loss_method in (forward_owner, None):
         settings = row_mean_settings(loss)
         if settings is not None:
             return "item_mean", f"{owner} is a mean over independent rows ({settings})"
