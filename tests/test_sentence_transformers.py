@@ -201,11 +201,18 @@ def test_registration_does_not_cover_a_subclass_that_redefines_the_loss():
 
 def _columns(n: int, columns: tuple[str, ...], label: str | None) -> datasets.Dataset:
     """`n` rows with the text columns of `pairs` (a third column is the positive of the next row) and a label:
-    `score` (a float in [0, 1]), `binary` (0 or 1), `two` (two teacher scores)."""
+    `score` (a float in [0, 1]), `binary` (0 or 1), `two` (two teacher scores). The texts of a row all differ (the
+    positive gets one more word): a Euclidean distance of zero has no gradient in older sentence-transformers
+    releases (`sqrt` at 0), which would make the large batch's own update NaN."""
     base = pairs(n, labels=True)
-    texts = {"anchor": base["anchor"], "positive": base["positive"]}
+    texts = {
+        "anchor": base["anchor"],
+        "positive": [f"{p} {a.split()[0]}" for a, p in zip(base["anchor"], base["positive"], strict=True)],
+    }
     texts["negative"] = texts["positive"][1:] + texts["positive"][:1]
     rows = {name: texts[name] for name in columns}
+    for row in zip(*(rows[name] for name in columns), strict=True):
+        assert len(set(row)) == len(row), row
     scores = base["label"]
     if label == "score":
         rows["label"] = scores
