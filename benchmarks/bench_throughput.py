@@ -146,6 +146,9 @@ class _Meter:
         # Process CPU time (all threads) at each step end: on a shared CPU it moves less than wall time when other
         # processes take cores away (the worker waits instead of computing).
         self.step_cpu_ends: list[float] = []
+        # Minor page faults at each step end: memory the kernel maps and zeroes on first touch, which glibc's malloc
+        # causes again and again when it hands freed memory back (see `--allocator`).
+        self.step_page_faults: list[int] = []
         self.train_begin = 0.0
         self.allocated_at_begin = 0
         self.rss_at_begin_kib = 0
@@ -166,6 +169,7 @@ class _Meter:
         self._sync()
         self.step_ends.append(time.perf_counter())
         self.step_cpu_ends.append(time.process_time())
+        self.step_page_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
     def memory(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -281,15 +285,15 @@ def _skip_fp16_without_autocast(accelerator: Any, spec: dict[str, Any]) -> None:
         )
 
 
-def run_trainer(spec: dict[str, Any], model: Any, data: list[dict[str, Any]], meter: _Meter) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def trainer_arguments(spec: dict[str, Any]) -> Any:
+    """The `TrainingArguments` of a Trainer runner (`GradAccumArguments` for `gradaccum`): the same fields for both."""
+    from transformers import TrainingArguments
 
-    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+    from hf_gradaccum import GradAccumArguments
 
     gradaccum = spec["runner"] == "gradaccum"
-    args_cls, trainer_cls = (GradAccumArguments, GradAccumTrainer) if gradaccum else (TrainingArguments, Trainer)
     path = {"accumulation_path": spec.get("accumulation_path", "auto")} if gradaccum else {}
-    args = args_cls(
+    return (GradAccumArguments if gradaccum else TrainingArguments)(
         **path,
         output_dir=tempfile.mkdtemp(prefix="bench_throughput_"),
         per_device_train_batch_size=spec["micro_batch"],
@@ -313,6 +317,16 @@ def run_trainer(spec: dict[str, Any], model: Any, data: list[dict[str, Any]], me
         report_to=[],
         disable_tqdm=True,
     )
+
+
+def run_trainer(spec: dict[str, Any], model: Any, data: list[dict[str, Any]], meter: _Meter) -> dict[str, Any]:
+    from transformers import Trainer, TrainerCallback
+
+    from hf_gradaccum import GradAccumTrainer
+
+    gradaccum = spec["runner"] == "gradaccum"
+    trainer_cls = GradAccumTrainer if gradaccum else Trainer
+    args = trainer_arguments(spec)
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -510,6 +524,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         timed_s=timed_s,
         samples_per_s=timed_steps * samples_per_step / timed_s if timed_steps > 0 and timed_s > 0 else None,
         cpu_timed_s=meter.step_cpu_ends[-1] - meter.step_cpu_ends[0],
+        page_faults_per_step=[
+            b - a for a, b in zip(meter.step_page_faults[:-1], meter.step_page_faults[1:], strict=True)
+        ],
         train_s=ends[-1] - meter.train_begin,
         **meter.memory(),
     )
@@ -531,7 +548,40 @@ def worker_env(spec: dict[str, Any]) -> dict[str, str]:
         env.update(OMP_NUM_THREADS=str(spec["cpu_threads"]), MKL_NUM_THREADS=str(spec["cpu_threads"]))
     else:
         env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU: the Trainer would use DataParallel over several
+    env.update(allocator_env(spec.get("allocator", "default"), env))
     return env
+
+
+# glibc's malloc hands freed memory back to the kernel (a free heap top above M_TRIM_THRESHOLD, any block above
+# M_MMAP_THRESHOLD, both adapted at run time), so a training step's allocations are mapped and zeroed page by page
+# again; how often depends on the allocation history. `glibc-retain` fixes both thresholds high (32 MiB is glibc's
+# largest mmap threshold on 64-bit: larger blocks are still mapped fresh); `tcmalloc` preloads tcmalloc, which keeps
+# freed memory for reuse.
+GLIBC_RETAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(16 * 1024**3)}
+ALLOCATORS = ("default", "glibc-retain", "tcmalloc")
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def find_tcmalloc() -> str:
+    """Path of an installed tcmalloc; a `SystemExit` naming the package when there is none."""
+    for directory in TCMALLOC_DIRS:
+        for name in TCMALLOC_NAMES:
+            if (Path(directory) / name).exists():
+                return str(Path(directory) / name)
+    raise SystemExit(
+        "--allocator tcmalloc: no tcmalloc library in " + ", ".join(TCMALLOC_DIRS) + " (Debian/Ubuntu: "
+        "`apt-get install libtcmalloc-minimal4`)"
+    )
+
+
+def allocator_env(allocator: str, env: dict[str, str]) -> dict[str, str]:
+    """Environment variables that start a process with `allocator` (one of `ALLOCATORS`)."""
+    if allocator == "glibc-retain":
+        return dict(GLIBC_RETAIN_ENV)
+    if allocator == "tcmalloc":
+        return {"LD_PRELOAD": " ".join(filter(None, [find_tcmalloc(), env.get("LD_PRELOAD")]))}
+    return {}
 
 
 def _last_error_line(text: str) -> str:
@@ -608,6 +658,7 @@ def make_spec(
         "cpu_threads": opts.cpu_threads if opts.device == "cpu" else None,
         "accumulation_path": getattr(opts, "accumulation_path", "auto"),
         "cuda_sync_trace": getattr(opts, "cuda_sync_trace", False),
+        "allocator": getattr(opts, "allocator", "default"),
         **({"round": round_index} if opts.rounds > 1 else {}),
     }
 
@@ -869,6 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="record every host synchronisation during training with its Python stack (slower; CUDA only)",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="default",
+        help="the workers' malloc: default, glibc-retain (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ fixed high) "
+        "or tcmalloc (preloaded); both keep freed memory for reuse instead of page-faulting it in again",
+    )
     parser.add_argument("--out", default=str(RESULTS_DIR / "throughput.json"), help="JSON path; .md and .png beside")
     parser.add_argument(
         "--resume",
@@ -886,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 2 (the first step is warmup)")
     if any(g < 1 for g in opts.ga):
         parser.error("--ga values must be >= 1")
+    if opts.allocator == "tcmalloc":
+        find_tcmalloc()  # before any worker: a missing library is an argument error, not 2 x N failed workers
     if opts.cuda_sync_trace and opts.device != "cuda":
         parser.error("--cuda_sync_trace needs --device cuda (CUDA reports the host synchronisations)")
 
@@ -941,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.get("status") == "ok":
             detail = (
                 f"{result['samples_per_s']:.1f} samples/s, peak {result['peak_mib']:.0f} MiB, "
-                f"steps {[round(t, 3) for t in result['step_times_s']]}"
+                f"steps {[round(t, 3) for t in result['step_times_s']]}, page faults per timed step "
+                f"{result.get('page_faults_per_step')}"
             )
         else:
             detail = f"{result.get('status')}: {result.get('reason') or result.get('error')}"

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "DynamicLossScaler": ".engine.loss_scaling",
     "AccumulatorCheckpoint": ".engine.fsdp2.checkpoint",
     "count_items_in_batch": ".engine.items",
+    "count_items_in_batches": ".engine.items",
     "WindowOOMRetry": ".engine.oom_retry",
     # transformers
     "GradAccumTrainer": ".adapters.trainer",
@@ -79,6 +80,7 @@ __all__ = [
     "clip_coupled_loss",
     "convert_batchnorm_to_groupnorm",
     "count_items_in_batch",
+    "count_items_in_batches",
     "freeze_batchnorm",
     "plan_accumulation",
     "ranking_coupled_loss",
@@ -110,7 +112,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .engine.accumulator import GradientAccumulator
     from .engine.coupled import CoupledLoss
     from .engine.fsdp2.checkpoint import AccumulatorCheckpoint
-    from .engine.items import count_items_in_batch
+    from .engine.items import count_items_in_batch, count_items_in_batches
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.oom_retry import WindowOOMRetry
     from .engine.window import WindowResult

@@ -45,6 +45,7 @@ def test_bench_throughput_tiny_cpu_grid(tmp_path: Path) -> None:
         assert r["peak_mib"] > 0
         assert r["optimizer_steps"] == r["spec"]["steps"] == 2
         assert r["timed_steps"] == 1
+        assert len(r["page_faults_per_step"]) == 1 and r["page_faults_per_step"][0] >= 0
     for r in results:
         if r["spec"]["runner"] in ("gradaccum", "gradaccum_loop"):
             assert r["accumulator"]["applied_steps"] == 2, r["accumulator"]
@@ -131,3 +132,14 @@ def test_resnet18_worker_trains_on_cpu() -> None:
     assert result["status"] == "ok", result.get("error") or result.get("stderr_tail")
     assert result["optimizer_steps"] == 2 and result["accumulator"]["applied_steps"] == 2
     assert result["samples_per_s"] > 0 and result["samples_per_cpu_s"] > 0
+
+
+def test_allocator_settings_reach_the_workers_environment() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import bench_throughput
+
+    spec = {"device": "cpu", "cpu_threads": 1, "allocator": "glibc-retain"}
+    env = bench_throughput.worker_env(spec)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 * 1024 * 1024)
+    assert env["MALLOC_TRIM_THRESHOLD_"] == str(16 * 1024**3)
+    assert "MALLOC_MMAP_THRESHOLD_" not in bench_throughput.worker_env({**spec, "allocator": "default"})

@@ -47,7 +47,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..engine.accumulator import GradientAccumulator, WindowResult
 from ..engine.coupled import CoupledLoss
-from ..engine.items import count_items_in_batch
+from ..engine.items import items_on_device, read_counts
 from ..engine.loss_scaling import DynamicLossScaler
 from ..engine.oom_retry import WindowOOMRetry
 from ..helpers.lr_scaling import effective_batch_size
@@ -298,6 +298,10 @@ class GradAccumTrainer(Trainer):
         """
         if self.coupled_mode is not None:
             return self.coupled_mode.coupled_loss.num_items_fn(inputs)
+        return read_counts([self._items_on_device(inputs)])[0]
+
+    def _items_on_device(self, inputs: dict[str, Any]) -> int | torch.Tensor:
+        """The default [`count_micro_batch_items`], a count of labels left as a tensor beside them."""
         label_name = self.label_names[0] if self.label_names else "labels"
         labels = inputs.get(label_name)
         if labels is None and inputs.get("shift_labels") is None:
@@ -311,7 +315,16 @@ class GradAccumTrainer(Trainer):
         # Only token-level labels (one per position) can be shifted; a causal-LM check is pointless for the others.
         token_level = labels is not None and (labels if torch.is_tensor(labels) else torch.as_tensor(labels)).dim() > 1
         shift = self._shifts_labels() if token_level else False
-        return count_items_in_batch(inputs, shift_labels=shift, label_name=label_name)
+        return items_on_device(inputs, shift_labels=shift, label_name=label_name)
+
+    def _count_window(self, batches: list[dict[str, Any]]) -> list[int]:
+        """[`count_micro_batch_items`] of each micro-batch of a window. The default count reads the device once for
+        the whole window (on a GPU, one wait instead of one per micro-batch); an override is called per batch."""
+        if self.coupled_mode is not None or (
+            type(self).count_micro_batch_items is not GradAccumTrainer.count_micro_batch_items
+        ):
+            return [self.count_micro_batch_items(batch) for batch in batches]
+        return read_counts([self._items_on_device(batch) for batch in batches])
 
     def _micro_batch_items(self, batch: dict[str, Any]) -> int:
         """[`count_micro_batch_items`] of `batch`, as counted when its window was prefetched if it is that very
@@ -369,7 +382,7 @@ class GradAccumTrainer(Trainer):
         if self._count_at_prefetch or self._handed_count:
             # (Elsewhere the loss sees another batch than the one prefetched: it is counted there, not here.)
             try:
-                counts = [self.count_micro_batch_items(b) for b in batch_samples]
+                counts = self._count_window(batch_samples)
             except (ValueError, TypeError, AttributeError):
                 counts = None
             if counts is not None:

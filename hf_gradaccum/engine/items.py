@@ -7,7 +7,7 @@ must be what the model's own mean divides by. That is what this module counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,12 @@ def count_items(labels: torch.Tensor | None, *, shift_labels: bool = False, igno
     2
     ```
     """
+    return read_counts([_items_of(labels, shift_labels=shift_labels, ignore_index=ignore_index)])[0]
+
+
+def _items_of(labels: Any, *, shift_labels: bool, ignore_index: int) -> int | torch.Tensor:
+    """[`count_items`] without reading the device: a count that needs the labels' values stays a 0-dim tensor where
+    the labels are, so that a caller counting several batches reads them all at once."""
     if labels is None:
         return 0
     if not torch.is_tensor(labels):
@@ -51,7 +57,7 @@ def count_items(labels: torch.Tensor | None, *, shift_labels: bool = False, igno
         return int(labels.shape[0]) if labels.dim() > 0 else 1
     if shift_labels:
         labels = labels[..., 1:]
-    return int(labels.ne(ignore_index).sum().item())
+    return labels.ne(ignore_index).sum()
 
 
 def count_items_in_batch(
@@ -75,10 +81,65 @@ def count_items_in_batch(
     3
     ```
     """
+    return read_counts(
+        [items_on_device(batch, shift_labels=shift_labels, label_name=label_name, ignore_index=ignore_index)]
+    )[0]
+
+
+def count_items_in_batches(
+    batches: Sequence[Mapping[str, Any]],
+    *,
+    shift_labels: bool = False,
+    label_name: str = "labels",
+    ignore_index: int = IGNORE_INDEX,
+) -> list[int]:
+    """
+    [`count_items_in_batch`] of each batch, with one read from the device for all of them: counting a window of
+    micro-batches whose labels are on a GPU then waits for the device once, not once per micro-batch.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum import count_items_in_batches
+    >>> count_items_in_batches([{"labels": torch.tensor([0, -100])}, {"labels": torch.tensor([[1, 2, 3]])}])
+    [1, 3]
+    ```
+    """
+    return read_counts(
+        [
+            items_on_device(batch, shift_labels=shift_labels, label_name=label_name, ignore_index=ignore_index)
+            for batch in batches
+        ]
+    )
+
+
+def read_counts(counts: Sequence[int | torch.Tensor]) -> list[int]:
+    """The values of counts from [`items_on_device`], with one read per device that holds some of them."""
+    values: list[Any] = list(counts)
+    on_device: dict[torch.device, list[int]] = {}
+    for index, count in enumerate(values):
+        if torch.is_tensor(count):
+            on_device.setdefault(count.device, []).append(index)
+    for indices in on_device.values():
+        for index, value in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
+            values[index] = int(value)
+    return values
+
+
+def items_on_device(
+    batch: Mapping[str, Any],
+    *,
+    shift_labels: bool = False,
+    label_name: str = "labels",
+    ignore_index: int = IGNORE_INDEX,
+) -> int | torch.Tensor:
+    """[`count_items_in_batch`] without reading the device: a count of labels stays a 0-dim tensor beside them
+    (read it, with others, by [`read_counts`])."""
     if "shift_labels" in batch and batch["shift_labels"] is not None:
-        return count_items(batch["shift_labels"], ignore_index=ignore_index)
+        return _items_of(batch["shift_labels"], shift_labels=False, ignore_index=ignore_index)
     if label_name in batch and batch[label_name] is not None:
-        return count_items(batch[label_name], shift_labels=shift_labels, ignore_index=ignore_index)
+        return _items_of(batch[label_name], shift_labels=shift_labels, ignore_index=ignore_index)
     for value in batch.values():
         if torch.is_tensor(value) and value.dim() > 0:
             return int(value.shape[0])

@@ -1,0 +1,49 @@
+"""`benchmarks/bench_paired_windows.py` end to end on CPU at tiny shapes: both trainers in one process, windows
+alternating, every window timed and the ratios summarised."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_paired_windows.py"
+
+
+@pytest.mark.parametrize("first", ["stock", "gradaccum"])
+def test_bench_paired_windows_tiny_cpu(tmp_path: Path, first: str) -> None:
+    out = tmp_path / "paired.json"
+    models = "minilm,gpt2-small" if first == "stock" else "resnet18"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--models", models, "--windows", "3", "--first", first]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    payload = json.loads(out.read_text())
+    assert [row["model"] for row in payload["rows"]] == models.split(",")
+    assert payload["meta"]["first"] == first
+    for raw, row in zip(payload["raw"], payload["rows"], strict=True):
+        # 3 timed windows + 1 warm-up per trainer, each a (thread CPU, wall) pair.
+        assert {name: len(times) for name, times in raw["windows"].items()} == {"stock": 4, "gradaccum": 4}
+        assert all(
+            cpu > 0 and wall >= cpu * 0.5 and faults >= 0
+            for times in raw["windows"].values()
+            for cpu, wall, faults in times
+        )
+        # Each of ours' windows but the last sits between two stock windows.
+        assert row["windows"] == 2
+        q = row["speed_ratio"]
+        assert 0 < q["min"] <= q["q1"] <= q["median"] <= q["q3"] <= q["max"]
+        assert 0 <= row["ours_faster"] <= row["windows"]
+    assert f"| {models.split(',')[0]} (length 32) | 4 x 8 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_paired_windows_refuses_an_unknown_model(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--models", "minilm,llama", "--out", str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "--models: unknown ['llama']" in proc.stderr
