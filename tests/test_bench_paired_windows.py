@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_paired_windows.py"
 
 
-@pytest.mark.parametrize("first", ["stock", "gradaccum"])
+@pytest.mark.parametrize("first", ["stock", pytest.param("gradaccum", marks=pytest.mark.slow)])
 def test_bench_paired_windows_tiny_cpu(tmp_path: Path, first: str) -> None:
     out = tmp_path / "paired.json"
     models = "minilm,gpt2-small" if first == "stock" else "resnet18"
