@@ -68,6 +68,8 @@ from bench_throughput import (  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRAINERS = ("stock", "gradaccum")
+# bench_throughput.py's default micro-batches for the GPU shapes.
+GPU_MICRO_BATCH = {"bert-base": 16, "gpt2-small": 8}
 DEFAULT_SHAPES = {"minilm": (4, 128), "gpt2-small": (2, 64), "resnet18": (4, 64), "bert-base": (4, 128)}
 
 
@@ -148,6 +150,27 @@ def _window_clock(name: str, baton: Baton, times: list[tuple[float, float, int]]
     return WindowClock()
 
 
+def shape_specs(model_name: str, opts: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """`bench_throughput.py`'s spec of each trainer for `model_name`: the CPU shapes of docs/measurements.md, or on
+    a GPU `bench_throughput.py`'s own (BERT-base micro-batch 16, GPT-2-small 8); `--micro_batch`, `--seq_len` and
+    `--image_size` override either."""
+    micro, length = DEFAULT_SHAPES[model_name] if opts.device == "cpu" and not opts.tiny else (None, None)
+    spec_opts = argparse.Namespace(
+        tiny=opts.tiny,
+        bert_micro_batch=GPU_MICRO_BATCH["bert-base"],
+        gpt2_micro_batch=GPU_MICRO_BATCH["gpt2-small"],
+        image_size=opts.image_size or (length if model_name == "resnet18" else None),
+        seq_len=opts.seq_len or (length if model_name != "resnet18" else None),
+        micro_batch=opts.micro_batch or micro,
+        device=opts.device,
+        steps=opts.windows + opts.warmup,
+        seed=opts.seed,
+        cpu_threads=1,
+        rounds=1,
+    )
+    return {name: make_spec(spec_opts, model_name, opts.precision, opts.ga, name) for name in TRAINERS}
+
+
 def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
     """Both trainers on one shape, windows alternating; returns each trainer's window times."""
     import torch
@@ -158,22 +181,7 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    # The CPU shapes of docs/measurements.md; on a GPU, bench_throughput.py's full shapes.
-    micro, length = DEFAULT_SHAPES[model_name] if opts.device == "cpu" and not opts.tiny else (None, None)
-    spec_opts = argparse.Namespace(
-        tiny=opts.tiny,
-        bert_micro_batch=None,
-        gpt2_micro_batch=None,
-        image_size=opts.image_size or (length if model_name == "resnet18" else None),
-        seq_len=opts.seq_len or (length if model_name != "resnet18" else None),
-        micro_batch=opts.micro_batch or micro,
-        device=opts.device,
-        steps=opts.windows + opts.warmup,
-        seed=opts.seed,
-        cpu_threads=1,
-        rounds=1,
-    )
-    specs = {name: make_spec(spec_opts, model_name, opts.precision, opts.ga, name) for name in TRAINERS}
+    specs = shape_specs(model_name, opts)
     data = build_data(specs["stock"])
     baton = Baton(*(TRAINERS if opts.first == "stock" else TRAINERS[::-1]))
     times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in TRAINERS}

@@ -47,3 +47,38 @@ def test_bench_paired_windows_refuses_an_unknown_model(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert proc.returncode == 2
     assert "--models: unknown ['llama']" in proc.stderr
+
+
+def test_shapes_on_a_gpu_are_bench_throughputs(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import bench_paired_windows
+
+    opts = bench_paired_windows.argparse.Namespace(
+        tiny=False,
+        image_size=None,
+        seq_len=None,
+        micro_batch=None,
+        device="cuda",
+        windows=20,
+        warmup=1,
+        seed=0,
+        ga=8,
+        precision="bf16",
+    )
+    shapes = {
+        model: {
+            name: (s["micro_batch"], s["seq_len"], s["device"], s["precision"], s["steps"])
+            for name, s in specs.items()
+        }
+        for model in ("bert-base", "gpt2-small", "resnet18", "minilm")
+        for specs in [bench_paired_windows.shape_specs(model, opts)]
+    }
+    assert shapes["bert-base"]["stock"] == shapes["bert-base"]["gradaccum"] == (16, 128, "cuda", "bf16", 21)
+    assert shapes["gpt2-small"]["gradaccum"] == (8, 256, "cuda", "bf16", 21)
+    assert shapes["resnet18"]["stock"][:2] == (16, 224)
+    assert shapes["minilm"]["stock"][:2] == (8, 128)
+    # On a CPU, the shapes of docs/measurements.md.
+    cpu = bench_paired_windows.shape_specs(
+        "gpt2-small", bench_paired_windows.argparse.Namespace(**{**vars(opts), "device": "cpu"})
+    )
+    assert (cpu["stock"]["micro_batch"], cpu["stock"]["seq_len"]) == (2, 64)
