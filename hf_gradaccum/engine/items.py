@@ -122,6 +122,9 @@ def read_counts(counts: Sequence[int | torch.Tensor]) -> list[int]:
         if torch.is_tensor(count):
             on_device.setdefault(count.device, []).append(index)
     for indices in on_device.values():
+        if len(indices) == 1:  # one count: no stacking kernel
+            values[indices[0]] = int(values[indices[0]].item())
+            continue
         for index, value in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
             values[index] = int(value)
     return values
