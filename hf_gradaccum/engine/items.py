@@ -36,7 +36,7 @@ def count_items(labels: torch.Tensor | None, *, shift_labels: bool = False, igno
 
     ```python
     >>> import torch
-    >>> from hf_gradaccum import count_items
+    >>> from hf_gradaccum.engine.items import count_items
     >>> count_items(torch.tensor([[5, 7, -100], [1, -100, -100]]))
     3
     >>> count_items(torch.tensor([[5, 7, -100], [1, 2, -100]]), shift_labels=True)
