@@ -4,6 +4,7 @@ large-batch reference (one SGD(lr=1) step per window, computed on the window's s
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,9 +214,16 @@ def reference_windows(n: int, micro: int, steps: int) -> list[list[int]]:
 
 
 def large_batch_reference(
-    case: ParityCase, model: torch.nn.Module, data: datasets.Dataset, windows: list[list[int]], lr: float = 1.0
+    case: ParityCase,
+    model: torch.nn.Module,
+    data: datasets.Dataset,
+    windows: list[list[int]],
+    lr: float = 1.0,
+    max_grad_norm: float = 0.0,
+    norms: list[float] | None = None,
 ):
-    """SGD steps (lr=1 by default), one per window, each on the window's samples as one batch: the update to match."""
+    """SGD steps (lr=1 by default), one per window, each on the window's samples as one batch: the update to match.
+    With `max_grad_norm` > 0 each large-batch gradient is clipped to it first; `norms` collects their norms."""
     model = copy.deepcopy(model)
     model.train()
     for window in windows:
@@ -230,6 +238,9 @@ def large_batch_reference(
             loss = model(**batch).loss
         model.zero_grad()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+        if norms is not None:
+            norms.append(float(norm))
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
@@ -258,8 +269,10 @@ def train_with(
     output_dir: str,
     args_cls=None,
     use_cpu: bool = True,
+    max_grad_norm: float = 0.0,
 ):
-    """Train one epoch with `trainer_cls` (SGD lr=1, no clipping, sequential order); return the trained model."""
+    """Train one epoch with `trainer_cls` (SGD lr=1, sequential order, no clipping unless `max_grad_norm`); return
+    the trained model."""
     from hf_gradaccum import GradAccumArguments
 
     args_cls = args_cls or GradAccumArguments
@@ -272,7 +285,7 @@ def train_with(
         learning_rate=1.0,
         optim="sgd",
         lr_scheduler_type="constant",
-        max_grad_norm=0.0,
+        max_grad_norm=max_grad_norm,
         weight_decay=0.0,
         num_train_epochs=1,
         **SEQUENTIAL_ORDER,

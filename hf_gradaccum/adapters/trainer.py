@@ -15,12 +15,14 @@ differences). Public methods overridden:
   item-weighted; where the loss must change before its backward (fp16 loss scaling, FSDP2), Accelerate hands it to
   the scaler installed here (`WindowGradScaler`), which asks the accumulator; after an fp16 overflow only that
   micro-batch's `compute_loss` and backward run again; on the window's last micro-batch, write the large-batch
-  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()`; with `auto_find_batch_size=True`, an
+  mean gradient into `.grad` for the Trainer's clipping and `optimizer.step()` (on the in-place path the window
+  ends inside the clipping instead, which then divides, checks and clips in one go: `adapters/window_end.py`); with `auto_find_batch_size=True`, an
   out-of-memory error inside it shrinks the micro-batch and redoes the window (the effective batch is kept); under
   DeepSpeed, no accumulator: the loss Accelerate hands to DeepSpeed's engine is weighted instead
   (`adapters/deepspeed.py`);
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
   the MoE window mode (the model's router term replaced by the window's exact one);
+- `_clip_grad_norm` / `_get_grad_norm` (private, guarded): end a window left to the clipping;
 - `log`: add the accumulator's counters (`accumulator/*` keys);
 - `train` / `save_model`: the accumulator's state (loss scale, counters) in every checkpoint and back on resume.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +84,7 @@ from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
+from .window_end import WindowEndAtClipping
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
 
@@ -215,6 +219,7 @@ class GradAccumTrainer(Trainer):
         self._seen_inputs: list[Any] = []
         self._resume_state_path: str | None = None
         self._training = False  # inside `train()`
+        self._window_end = WindowEndAtClipping(self, GradAccumTrainer)
         # Effective-batch-preserving OOM retry inside `training_step` (`auto_find_batch_size=True`).
         self.oom_retry = WindowOOMRetry(shrink=self._shrink_chunk)
         self.add_callback(_LoopRestartCallback(self))
@@ -466,6 +471,8 @@ class GradAccumTrainer(Trainer):
 
     def _accumulated_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         accumulator = self._get_accumulator(model)
+        # A window left for clipping that the loop neither clipped nor stepped on ends now, before the next one.
+        self._window_end.finish(None)
         if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
             if accumulator.micro_steps_in_window:
                 # A parent passed its own copy of the micro-batch: keep it for an out-of-memory redo of the window.
@@ -489,7 +496,7 @@ class GradAccumTrainer(Trainer):
         # Outside `train()` each call is a window of its own: Accelerate's `sync_gradients` is process-wide state that
         # an interrupted `train()` can leave False.
         last = self.accelerator.sync_gradients or not self._training
-        if last:
+        if last and not self._window_end.defer(accumulator):
             self.on_window_end(accumulator.finish_window())
 
         if not self._training:
@@ -757,12 +764,14 @@ class GradAccumTrainer(Trainer):
         """`on_train_begin`: the stock `find_executable_batch_size` restarted the loop (an OOM outside
         `training_step`) at a smaller `per_device_train_batch_size`: drop the interrupted window and the old chunking."""
         self.oom_retry.reset()
+        self._window_end.discard()
         self._window_batches, self._micro_index, self._window_counts = [], 0, {}
         if self.accumulator is not None and self.accumulator.micro_steps_in_window:
             self.accumulator.discard_window()
 
     def on_window_end(self, result: WindowResult) -> None:
-        """Called with each window's [`WindowResult`] before clipping and the optimizer step (override to inspect)."""
+        """Called with each window's [`WindowResult`] before the optimizer step (override to inspect): before the
+        Trainer's clipping, or, where the window ends inside it, with the norm before clipping in `grad_norm`."""
         if not result.applied:
             logger.warning(
                 "Window skipped (%s) at global step %d: its update is not applied (weights and optimizer state are "
@@ -770,6 +779,16 @@ class GradAccumTrainer(Trainer):
                 result.skip_reason,
                 self.state.global_step,
             )
+
+    # ------------------------------------------------------------------ clipping
+    def _clip_grad_norm(self, model: nn.Module):
+        norm = self._window_end.finish_for_clipping(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model) if norm is None else norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self._window_end.finish_for_clipping(math.inf)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _optimizer_step_must_be_skipped(self) -> bool:
         """Whether Accelerate should report the coming optimizer step as skipped (the scheduler then does not step):

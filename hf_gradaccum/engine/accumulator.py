@@ -573,13 +573,27 @@ class GradientAccumulator:
             p.grad = None
 
     # ------------------------------------------------------------------ window end
-    def finish_window(self) -> WindowResult:
+    def finish_window(self, *, max_grad_norm: float | None = None) -> WindowResult:
         """
         End the current window: reduce across ranks (if distributed), check it, and write the large-batch mean
         gradient into each parameter's `.grad` (`None` for parameters that got no gradient), ready for clipping and
         `optimizer.step()`. A window with no items or with a non-finite loss or gradient is skipped: every `.grad` is
         set to `None`, so optimizers leave weights and state untouched. Works for partial windows (end of epoch).
+
+        Args:
+            max_grad_norm (`float`, *optional*):
+                Also clip the applied mean gradient to this total L2 norm, as `torch.nn.utils.clip_grad_norm_` does
+                (`float("inf")`: measure it only), and put its norm before clipping in `result.grad_norm`. On the
+                in-place path the division by the window's items, the check and the clipping then share clipping's
+                own two passes over the gradients, instead of a pass of their own before it.
         """
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool) and max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"`max_grad_norm` must be a positive number (`float('inf')` to measure the norm without clipping) or "
+                f"None, got {max_grad_norm!r}."
+            )
         window = self._window
         if window is None or window.micro_steps == 0:
             raise RuntimeError("`finish_window()` called before any micro-batch of the window was accumulated.")
@@ -609,11 +623,16 @@ class GradientAccumulator:
             self.num_gradient_reductions += 1
             self.num_collectives += collectives
         items, loss_sum = reduced.items, reduced.loss_sum
-        # The in-place path divides by the window's items in the same pass that checks the gradients.
+        # The in-place path divides by the window's items in the same pass that checks the gradients (and clips them,
+        # when asked to).
         prescaled = self.in_place and items > 0
-        finite_grads = (
-            self.buffers.scale_and_check_(1.0 / items) if prescaled else self.buffers.all_finite_on_every_rank()
-        )
+        grad_norm = None
+        if prescaled and max_grad_norm is not None:
+            finite_grads, grad_norm = self.buffers.mean_clip_and_check_(items, float(max_grad_norm))
+        elif prescaled:
+            finite_grads = self.buffers.scale_and_check_(1.0 / items)
+        else:
+            finite_grads = self.buffers.all_finite_on_every_rank()
         skip_reason = None
         if items == 0:
             skip_reason = "no_items"
@@ -630,6 +649,10 @@ class GradientAccumulator:
             for i, (p, got_grad) in enumerate(zip(self.parameters, reduced.touched, strict=True)):
                 # Same dtype: the buffer view *is* the gradient, so no second copy of the gradients exists.
                 p.grad = self.buffers.gradient_for(i, p.dtype) if got_grad else None
+            if max_grad_norm is not None and not prescaled:
+                norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm)
+                # FSDP2: the norm is a DTensor over the shards; `full_tensor()` is the global norm.
+                grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)
             self.applied_steps += 1
         else:
             for p in self.parameters:
@@ -659,6 +682,7 @@ class GradientAccumulator:
             micro_steps=window.micro_steps,
             skip_reason=skip_reason,
             recomputed_micro_batches=window.recomputed,
+            grad_norm=grad_norm if skip_reason is None else None,
         )
         self._window = None
         self._in_place_state = None
@@ -727,12 +751,9 @@ class GradientAccumulator:
         `lr_scheduler.step()`; finally `optimizer.zero_grad(set_to_none=True)`. Skipped windows leave the optimizer,
         its state and the scheduler untouched. After the loop, [`flush`] steps on a partial last window, if any.
         """
-        result = self.finish_window()
+        clip = max_grad_norm is not None and max_grad_norm > 0
+        result = self.finish_window(max_grad_norm=max_grad_norm if clip else None)
         if result.applied:
-            if max_grad_norm is not None and max_grad_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm)
-                # FSDP2: the norm is a DTensor over the shards; `full_tensor()` is the global norm.
-                result.grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()

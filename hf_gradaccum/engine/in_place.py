@@ -17,6 +17,7 @@ unweighted, so `end_micro_batch` raises; and a `.grad` cleared in the middle of 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -160,6 +161,44 @@ class InPlaceGradients:
             finite = self.all_finite()
             self.scale_(factor)
             return finite
+
+    def mean_clip_and_check_(self, items: float, max_norm: float) -> tuple[bool, float | None]:
+        """
+        Turn the window's summed gradients into their mean over `items` clipped to total L2 norm `max_norm` (`inf`:
+        not clipped), and check them, in the two passes gradient clipping makes anyway: one norm (read) and one
+        multiply (read and write) by `clip_coefficient / items`. The stock Trainer's clipping of a mean gradient
+        costs the same two passes, so dividing and checking cost no pass of their own.
+
+        The norm of the sums is `items` times the mean's; an inf or NaN makes it non-finite. Only a non-finite norm,
+        which finite values can also produce by overflowing their squares, pays for the exact check (and then
+        divides before clipping, as `torch.nn.utils.clip_grad_norm_` would on the mean).
+
+        Returns:
+            `(finite, norm)`: whether every gradient is finite (if not, the gradients are left as they are, for the
+            window to be skipped) and the mean gradient's L2 norm before clipping (`None` where there is no
+            gradient). Reading the norm is the pass's one wait for the device.
+        """
+        grads = self._grads()
+        if not grads:
+            return True, None
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        first = grads[0].device
+        norms = [norm.to(first) for group in by_device.values() for norm in torch._foreach_norm(group)]
+        mean_norm = torch.linalg.vector_norm(torch.stack(norms)) / items
+        norm = float(mean_norm)
+        if not math.isfinite(norm):
+            if not all(all_finite(g) for g in grads):
+                return False, norm
+            self.scale_(1.0 / items)
+            params = [p for p in self.parameters if p.grad is not None]
+            return True, float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # `clip_grad_norm_`'s coefficient, from the mean's norm.
+        coefficient = torch.clamp(max_norm / (mean_norm + 1e-6), max=1.0) / items
+        for device, group in by_device.items():
+            torch._foreach_mul_(group, coefficient.to(device))
+        return True, norm
 
     def all_reduce_(self, group: torch.distributed.ProcessGroup | None = None) -> int:
         """Sum every parameter's gradient over `group`'s ranks, in flat buckets of one dtype and device; a parameter

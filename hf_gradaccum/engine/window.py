@@ -25,7 +25,8 @@ class WindowResult:
     recomputed_micro_batches: int = 0
     """Micro-batches of this window recomputed after an fp16 overflow."""
     grad_norm: float | None = None
-    """Gradient norm before clipping, filled in by [`GradientAccumulator.step`]."""
+    """The applied mean gradient's norm before clipping, when the window was finished with `max_grad_norm`
+    ([`GradientAccumulator.step`] with clipping, or the Trainer's clipping)."""
 
 
 @dataclass
