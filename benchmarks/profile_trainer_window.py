@@ -11,7 +11,9 @@ Command (from the repository root, with the project's virtualenv; about 2 minute
     python benchmarks/profile_trainer_window.py --windows 2
 
 Writes `benchmarks/results/trainer_profile_{shape}.json` and `.md` (and prints the Markdown). `--shape tiny` (hidden 64,
-2 layers, vocabulary 1000) shows the per-micro-batch Python work that a large model hides.
+2 layers, vocabulary 1000) shows the per-micro-batch Python work that a large model hides; `--shape resnet18` is
+`bench_throughput.py`'s ResNet-18 image classifier (11.2M parameters, `--image_size` pixels, default 64), where
+gradient-wide passes weigh most against the compute.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import FULL_SHAPES, build_data, build_model  # noqa: E402
 from bench_trainer_overhead import NUM_THREADS  # noqa: E402
 
 RESULT_PREFIX = "PROFILE_RESULT "
@@ -34,24 +37,37 @@ TRAINERS = ("stock", "gradaccum")
 
 
 # (hidden, layers, heads, intermediate, vocab): the MiniLM shape, and a tiny one where per-micro-batch Python work shows.
-SHAPES = {"minilm": (384, 6, 12, 1536, 30522), "tiny": (64, 2, 4, 256, 1000)}
+SHAPES = {"minilm": (384, 6, 12, 1536, 30522), "tiny": (64, 2, 4, 256, 1000), "resnet18": FULL_SHAPES["resnet18"][:5]}
 
 
-def run_worker(kind: str, shape: str, windows: int, seq_len: int, micro: int, accum: int, seed: int) -> dict:
+def _resnet18_model_and_rows(rows: int, image_size: int, seed: int) -> tuple[object, list[dict]]:
+    """bench_throughput.py's ResNet-18 and `rows` random images (its `build_model` / `build_data`)."""
+    hidden, layers, heads, intermediate, classes = SHAPES["resnet18"]
+    spec = {"model": "resnet18", "hidden": hidden, "layers": layers, "heads": heads, "intermediate": intermediate}
+    spec |= {"vocab": classes, "seq_len": image_size, "seed": seed, "device": "cpu", "steps": rows}
+    spec |= {"micro_batch": 1, "ga": 1}
+    return build_model(spec), build_data(spec)
+
+
+def run_worker(
+    kind: str, shape: str, windows: int, seq_len: int, micro: int, accum: int, seed: int, image_size: int = 64
+) -> dict:
+    rows = (windows + 1) * micro * accum
+    if shape == "resnet18":
+        model, dataset = _resnet18_model_and_rows(rows, image_size, seed)
+    else:
+        model, dataset = _bert_model_and_rows(rows, seq_len, SHAPES[shape], seed)
+    return _profile(kind, model, dataset, windows, micro, accum, seed)
+
+
+def _bert_model_and_rows(rows: int, seq_len: int, shape: tuple, seed: int) -> tuple[object, object]:
     import numpy as np
     import torch
     from datasets import Dataset
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
-    from transformers.utils import logging as hf_logging
+    from transformers import BertConfig, BertForSequenceClassification
 
-    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-
-    torch.set_num_threads(NUM_THREADS)
-    hf_logging.set_verbosity_error()
     rng = np.random.default_rng(seed)
-    rows = (windows + 1) * micro * accum
-    hidden, layers, heads, intermediate, vocab = SHAPES[shape]
+    hidden, layers, heads, intermediate, vocab = shape
     input_ids = rng.integers(5, vocab, size=(rows, seq_len), dtype=np.int64)
     dataset = Dataset.from_dict(
         {
@@ -71,6 +87,19 @@ def run_worker(kind: str, shape: str, windows: int, seq_len: int, micro: int, ac
             num_labels=2,
         )
     )
+    return model, dataset
+
+
+def _profile(kind: str, model: object, dataset: object, windows: int, micro: int, accum: int, seed: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+
+    torch.set_num_threads(NUM_THREADS)
+    hf_logging.set_verbosity_error()
     args_cls, trainer_cls = (
         (GradAccumArguments, GradAccumTrainer) if kind == "gradaccum" else (TrainingArguments, Trainer)
     )
@@ -131,6 +160,7 @@ def run_worker(kind: str, shape: str, windows: int, seq_len: int, micro: int, ac
 def _launch(kind: str, options: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--windows", str(options.windows)]
     cmd += ["--seq_len", str(options.seq_len), "--shape", options.shape, "--micro_batch", str(options.micro_batch)]
+    cmd += ["--image_size", str(options.image_size)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -163,11 +193,20 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="rows per table")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="minilm", help="model shape")
     parser.add_argument("--micro_batch", type=int, default=8, help="micro-batch (8 accumulation steps)")
+    parser.add_argument("--image_size", type=int, default=64, help="image side of --shape resnet18")
+    parser.add_argument("--out", default=None, help="JSON path (.md beside); default results/trainer_profile_{shape}")
     parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         result = run_worker(
-            options.worker, options.shape, options.windows, options.seq_len, micro=options.micro_batch, accum=8, seed=0
+            options.worker,
+            options.shape,
+            options.windows,
+            options.seq_len,
+            micro=options.micro_batch,
+            accum=8,
+            seed=0,
+            image_size=options.image_size,
         )
         print(RESULT_PREFIX + json.dumps(result))
         return
@@ -182,9 +221,12 @@ def main() -> None:
         "",
         *_table(stock, ours, "python", "tottime_ms", options.top),
     ]
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"trainer_profile_{options.shape}.json").write_text(json.dumps({"stock": stock, "gradaccum": ours}))
-    (RESULTS_DIR / f"trainer_profile_{options.shape}.md").write_text("\n".join(lines) + "\n")
+    out = Path(options.out) if options.out else RESULTS_DIR / f"trainer_profile_{options.shape}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/profile_trainer_window.py " + " ".join(sys.argv[1:])
+    lines = [f"Command: `{command}`", "", *lines]
+    out.write_text(json.dumps({"command": command, "stock": stock, "gradaccum": ours}))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
