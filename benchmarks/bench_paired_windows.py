@@ -35,6 +35,13 @@ GPU waiting for Python) is compared within one process and one minute of the mac
 
 (there the shapes are `bench_throughput.py`'s: BERT-base micro-batch 16 at sequence 128, GPT-2-small micro-batch 8 at
 sequence 256).
+
+`--pair loops` compares the plain loops instead, the same way: `GradientAccumulator` (`accumulator.backward`,
+`accumulator.step(optimizer, max_grad_norm=1.0)`) against Accelerate's `accelerator.accumulate` with
+`clip_grad_norm_`, both `bench_throughput.py`'s loops (`run_gradaccum_loop`, `run_accelerate_loop`), AdamW. Accelerate's
+gradient state is process-wide: the Accelerate loop's accumulation steps are set again each time its thread gets the
+baton (the other loop's `Accelerator` is made with 1), and the Accelerate loop runs the first window (`--first stock`:
+its last window must not see the other loop's finished data loader).
 """
 
 from __future__ import annotations
@@ -63,11 +70,22 @@ from bench_throughput import (  # noqa: E402
     build_data,
     build_model,
     make_spec,
+    run_accelerate_loop,
+    run_gradaccum_loop,
     trainer_arguments,
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRAINERS = ("stock", "gradaccum")
+# The two roles of a pair (the baseline, ours), by `--pair`: bench_throughput.py's runner for each.
+PAIRS = {
+    "trainers": {"stock": "stock", "gradaccum": "gradaccum"},
+    "loops": {"stock": "accelerate_loop", "gradaccum": "gradaccum_loop"},
+}
+LABELS = {
+    "trainers": ("stock", "the stock Trainer", "GradAccumTrainer"),
+    "loops": ("accelerate", "Accelerate's `accumulate` loop", "the GradientAccumulator loop"),
+}
 # bench_throughput.py's default micro-batches for the GPU shapes.
 GPU_MICRO_BATCH = {"bert-base": 16, "gpt2-small": 8}
 DEFAULT_SHAPES = {"minilm": (4, 128), "gpt2-small": (2, 64), "resnet18": (4, 64), "bert-base": (4, 128)}
@@ -168,7 +186,51 @@ def shape_specs(model_name: str, opts: argparse.Namespace) -> dict[str, dict[str
         cpu_threads=1,
         rounds=1,
     )
-    return {name: make_spec(spec_opts, model_name, opts.precision, opts.ga, name) for name in TRAINERS}
+    runners = PAIRS[getattr(opts, "pair", "trainers")]
+    return {name: make_spec(spec_opts, model_name, opts.precision, opts.ga, runners[name]) for name in TRAINERS}
+
+
+class _LoopWindowClock:
+    """`bench_throughput.py`'s meter for a plain loop: times each window as `_window_clock` does and hands the baton
+    over at its end (`step_end`); `on_turn` runs each time the loop gets the baton back."""
+
+    def __init__(self, name: str, baton: Baton, times: list, cuda: bool, on_turn: Any = None) -> None:
+        self.name, self.baton, self.times, self.cuda, self.on_turn = name, baton, times, cuda, on_turn
+        self.step_ends: list[float] = []
+
+    def _start(self) -> None:
+        self.cpu, self.wall, self.faults = time.thread_time(), time.perf_counter(), _thread_page_faults()
+
+    def begin(self) -> None:
+        self._start()
+
+    def step_end(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(
+            (time.thread_time() - self.cpu, time.perf_counter() - self.wall, _thread_page_faults() - self.faults)
+        )
+        self.step_ends.append(time.perf_counter())
+        self.baton.hand_over(self.name)
+        self.baton.wait_for_turn(self.name)
+        if self.on_turn is not None:
+            self.on_turn()
+        self._start()
+
+
+def _accelerate_steps_again(ga: int) -> Any:
+    """Sets Accelerate's process-wide accumulation steps back to `ga` (another `Accelerator` in the process resets
+    them when it is made)."""
+
+    def again() -> None:
+        from accelerate.state import GradientState
+        from accelerate.utils import GradientAccumulationPlugin
+
+        GradientState(GradientAccumulationPlugin(num_steps=ga))
+
+    return again
 
 
 def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
@@ -191,6 +253,12 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
         baton.wait_for_turn(name)
         try:
+            if opts.pair == "loops":
+                loop = run_gradaccum_loop if name == "gradaccum" else run_accelerate_loop
+                on_turn = None if name == "gradaccum" else _accelerate_steps_again(specs[name]["ga"])
+                clock = _LoopWindowClock(name, baton, times[name], opts.device == "cuda", on_turn)
+                loop(specs[name], build_model(specs[name]), data, clock)
+                return
             trainer_cls = GradAccumTrainer if name == "gradaccum" else Trainer
             trainer = trainer_cls(
                 model=build_model(specs[name]),
@@ -220,6 +288,7 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
         "length": spec["seq_len"],
         "precision": opts.precision,
         "first": opts.first,
+        "pair": opts.pair,
         "metric": "wall" if opts.device == "cuda" else "cpu",
         "windows": {name: times[name] for name in TRAINERS},
     }
@@ -262,9 +331,14 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     }
 
 
+def _sentence_start(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def markdown(rows: list[dict[str, Any]], command: str, meta: dict[str, Any]) -> str:
+    short, baseline, ours = LABELS[meta.get("pair", "trainers")]
     lines = [
-        "# GradAccumTrainer against the stock Trainer, alternating windows in one process",
+        f"# {_sentence_start(ours)} against {baseline}, alternating windows in one process",
         "",
         f"Command: `{command}`",
         "",
@@ -277,13 +351,13 @@ def markdown(rows: list[dict[str, Any]], command: str, meta: dict[str, Any]) -> 
         )
         + f"; {meta['warmup']} warm-up window(s) of each trainer left out; {meta['seconds']:.0f} s.",
         "",
-        "Speed ratio: for each window of ours, the mean of the stock windows just before and just after it divided by "
-        "ours (above 1: ours faster).",
+        f"Speed ratio: for each window of ours, the mean of the {short} windows just before and just after it divided "
+        "by ours (above 1: ours faster).",
         "",
-        f"The {'stock Trainer' if meta['first'] == 'stock' else 'GradAccumTrainer'} ran the first window.",
+        f"{_sentence_start(baseline if meta['first'] == 'stock' else ours)} ran the first window.",
         "",
-        "| shape | micro x GA | windows | stock s/window (median) | ours s/window (median) | speed ours / stock: "
-        "median (quartiles; range) | ours faster | page faults per window, stock / ours (median) |",
+        f"| shape | micro x GA | windows | {short} s/window (median) | ours s/window (median) | speed ours / {short}: "
+        f"median (quartiles; range) | ours faster | page faults per window, {short} / ours (median) |",
         "|---|---|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
@@ -316,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         help="which trainer runs the first window (to check that the order does not favour one)",
     )
     parser.add_argument(
+        "--pair",
+        choices=tuple(PAIRS),
+        default="trainers",
+        help="trainers: GradAccumTrainer against the stock Trainer; loops: the GradientAccumulator loop against "
+        "Accelerate's `accumulate` loop",
+    )
+    parser.add_argument(
         "--allocator",
         choices=("default", "tcmalloc"),
         default="default",
@@ -332,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--windows must be >= 2 (a ratio needs the stock windows before and after one of ours)")
     if opts.warmup < 0 or opts.ga < 1:
         parser.error("--warmup must be >= 0 and --ga >= 1")
+    if opts.pair == "loops" and opts.first != "stock":
+        parser.error("--pair loops needs --first stock (Accelerate's data-loader state is process-wide: see above)")
 
     if opts.allocator == "tcmalloc":  # before torch is imported: the run starts again with tcmalloc preloaded
         use_tcmalloc(sys.argv[1:] if argv is None else list(argv))
@@ -347,13 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         rows.append(summarize(result, opts.warmup))
         q = rows[-1]["speed_ratio"]
-        print(f"{model_name}: speed ours / stock {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})", flush=True)
+        short = LABELS[opts.pair][0]
+        print(f"{model_name}: speed ours / {short} {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})", flush=True)
     meta = {
         "device_kind": opts.device,
         "device": torch.cuda.get_device_name(0) if opts.device == "cuda" else platform.processor() or "cpu",
         "precision": opts.precision,
         "allocator": "tcmalloc" if _tcmalloc_loaded() else "glibc malloc",
         "first": opts.first,
+        "pair": opts.pair,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "warmup": opts.warmup,

@@ -42,6 +42,32 @@ def test_bench_paired_windows_tiny_cpu(tmp_path: Path, first: str) -> None:
     assert f"| {models.split(',')[0]} (length 32) | 4 x 8 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_paired_windows_loops_tiny_cpu(tmp_path: Path) -> None:
+    """`--pair loops`: the GradientAccumulator loop against Accelerate's `accumulate` loop. Each loop steps once per
+    window of 8 micro-batches (Accelerate's process-wide accumulation steps survive the other loop's Accelerator)."""
+    out = tmp_path / "loops.json"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--pair", "loops", "--models", "minilm", "--windows", "3"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["pair"] == "loops"
+    (raw,) = payload["raw"]
+    assert {name: len(times) for name, times in raw["windows"].items()} == {"stock": 4, "gradaccum": 4}
+    report = out.with_suffix(".md").read_text()
+    assert report.startswith("# The GradientAccumulator loop against Accelerate's `accumulate` loop")
+    assert "speed ours / accelerate" in report
+
+    refused = subprocess.run(
+        [*cmd[:-2], "--first", "gradaccum", "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "--pair loops needs --first stock" in refused.stderr
+
+
 def test_bench_paired_windows_refuses_an_unknown_model(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--models", "minilm,llama", "--out", str(tmp_path / "x.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
