@@ -110,10 +110,10 @@ class WindowEndAtClipping:
         self.trainer.on_window_end(result)
         return result
 
-    def finish_for_clipping(self, max_grad_norm: float) -> float | None:
+    def finish_for_clipping(self, max_grad_norm: float | None) -> float | None:
         """The Trainer clips (`max_grad_norm` > 0, or `inf` to measure): end the pending window with it. Returns the
         mean gradient's norm before clipping, or `None` when no window was pending or it was skipped."""
-        if not max_grad_norm > 0:
+        if max_grad_norm is None or not max_grad_norm > 0:
             max_grad_norm = math.inf
         result = self.finish(max_grad_norm)
         return None if result is None else result.grad_norm
