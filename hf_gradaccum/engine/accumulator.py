@@ -586,6 +586,20 @@ class GradientAccumulator:
                 (`float("inf")`: measure it only), and put its norm before clipping in `result.grad_norm`. On the
                 in-place path the division by the window's items, the check and the clipping then share clipping's
                 own two passes over the gradients, instead of a pass of their own before it.
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from hf_gradaccum import GradientAccumulator
+        >>> model = torch.nn.Linear(2, 1)
+        >>> acc = GradientAccumulator(model, 2)
+        >>> for x in (torch.ones(3, 2), torch.ones(1, 2)):
+        ...     acc.backward(model(x).sum() / len(x), num_items=len(x))
+        >>> result = acc.finish_window(max_grad_norm=1.0)  # the mean gradient (1, 1, 1), clipped to norm 1
+        >>> round(result.grad_norm, 4), round(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()), 4)
+        (1.7321, 1.0)
+        ```
         """
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool) and max_grad_norm > 0
