@@ -119,6 +119,9 @@ def check_trainer_window(
     result.passed = verdict == "exact"
     trainer.log({"accumulator/verify_rel_diff": global_max})
     record = {"global_step": trainer.state.global_step, "world_size": trainer.args.world_size, **result.to_dict()}
+    finding = getattr(getattr(trainer, "_loss_rule", None), "finding", None)
+    if finding is not None:  # written on the first window, before this check: kept in the same file
+        record["loss_normalisation"] = finding.to_dict()
     if trainer.is_world_process_zero():
         os.makedirs(trainer.args.output_dir, exist_ok=True)
         with open(os.path.join(trainer.args.output_dir, CHECK_FILE_NAME), "w") as f:

@@ -13,12 +13,15 @@ from transformers import TrainingArguments
 from ..engine.accumulator import OVERFLOW_POLICIES, resolve_accumulation_dtype, validate_accumulation_steps
 from ..engine.fsdp2.schedule import check_fsdp_reduce_schedule
 from ..engine.in_place import check_accumulation_path
+from ..engine.loss_normalisation import NAMED_RULES
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule
+from .model_losses import BATCHNORM_MODES, check_batchnorm_mode
 from .training_checks import validate_training_numbers
 
 VERIFY_MODES = ("off", "first_step", "every_n_steps")
+LOSS_NORMALISATIONS = ("auto", *NAMED_RULES)
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +170,34 @@ class GradAccumFields:
         },
     )
     moe_load_balance: str = field(
-        default="micro_batch",
+        default="auto",
         metadata={
-            "help": "Mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE, ...). 'micro_batch': the model's own "
-            "per-micro-batch router auxiliary loss, weighted by items (free, not the large batch's). 'window': the "
-            "window's exact auxiliary loss (one extra forward-only pass per micro-batch; docs/moe_balance.md).",
+            "help": "Mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE, ...). 'auto': 'window' when the model adds "
+            "a router auxiliary loss (`output_router_logits=True`), else nothing to balance. 'window': the window's "
+            "exact auxiliary loss (one extra forward-only pass per micro-batch; docs/moe_balance.md). 'micro_batch': "
+            "the model's own per-micro-batch router loss, weighted by items (free, not the large batch's).",
             "choices": list(MOE_LOAD_BALANCE_MODES),
+        },
+    )
+    loss_normalisation: str = field(
+        default="auto",
+        metadata={
+            "help": "What a micro-batch's loss is normalised by, which is its weight. 'auto': measured on the first "
+            "window before any step, from the loss values of cuts of each micro-batch (a mean over label tokens, "
+            "shifted label tokens, rows, boxes or another count the batch carries, or a sum); a loss that is none "
+            "of them stops with the cause. Or name it: 'label_tokens', 'shifted_label_tokens', 'rows', 'sum', "
+            "'boxes'. The finding is logged and written to `output_dir/accumulation_check.json`.",
+            "choices": list(LOSS_NORMALISATIONS),
+        },
+    )
+    batchnorm: str = field(
+        default="stop",
+        metadata={
+            "help": "A model with BatchNorm layers in training mode normalises each micro-batch by its own "
+            "statistics, which no accumulation makes the large batch. 'stop': refuse before the first step, naming "
+            "the exact options (GroupNorm conversion, frozen statistics). 'micro_batch': train with per-micro-batch "
+            "statistics knowingly.",
+            "choices": list(BATCHNORM_MODES),
         },
     )
 
@@ -276,6 +301,10 @@ def validate_gradaccum_fields(args: Any) -> None:
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
     check_accumulation_path(gradaccum_option(args, "accumulation_path"))
     check_moe_load_balance(gradaccum_option(args, "moe_load_balance"))
+    check_batchnorm_mode(gradaccum_option(args, "batchnorm"))
+    normalisation = gradaccum_option(args, "loss_normalisation")
+    if normalisation not in LOSS_NORMALISATIONS:
+        raise ValueError(f"`loss_normalisation` must be one of {list(LOSS_NORMALISATIONS)}, got {normalisation!r}.")
     mode = gradaccum_option(args, "verify_accumulation")
     if mode not in VERIFY_MODES:
         raise ValueError(f"`verify_accumulation` must be one of {list(VERIFY_MODES)}, got {mode!r}.")

@@ -28,7 +28,28 @@ from ..engine.moe_balance import RouterCounts, exact_aux_term, router_counts
 from ..engine.rng import capture_rng_state, restore_rng_state
 from .model_inspection import unwrap_model
 
-__all__ = ["MoEWindowMode", "WindowRouterBalance", "find_router_modules"]
+__all__ = ["MoEWindowMode", "WindowRouterBalance", "adds_router_loss", "find_router_modules"]
+
+
+def adds_router_loss(model: nn.Module) -> bool:
+    """
+    Whether `model`'s loss includes a router load-balancing term: a transformers MoE model whose config asks for
+    router logits with a non-zero `router_aux_loss_coef`.
+
+    Example:
+
+    ```python
+    >>> from transformers import MixtralConfig, MixtralForCausalLM
+    >>> config = MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+    ...                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+    ...                        output_router_logits=True)
+    >>> adds_router_loss(MixtralForCausalLM(config))
+    True
+    ```
+    """
+    config = getattr(unwrap_model(model), "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    return bool(getattr(config, "output_router_logits", False)) and bool(coef)
 
 
 def _router_recorder(model: nn.Module) -> tuple[type[nn.Module], int]:

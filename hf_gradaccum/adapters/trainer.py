@@ -77,8 +77,9 @@ from .loss_counting import (
     training_step_passes_through,
 )
 from .loss_handover import backward_through
+from .loss_rule import TrainerLossRule
 from .model_inspection import loss_shifts_labels
-from .moe import MoEWindowMode
+from .moe import MoEWindowMode, adds_router_loss
 from .parallelism import data_parallel_group
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
@@ -162,9 +163,13 @@ class GradAccumTrainer(Trainer):
                 "Choose a micro-batch that fits (the window's representations are the only extra memory)."
             )
         self.moe_mode: MoEWindowMode | None = None
-        if gradaccum_option(self.args, "moe_load_balance") == "window":
-            require_first_in_class_order(type(self), "moe_load_balance='window'")
+        moe_balance = gradaccum_option(self.args, "moe_load_balance")
+        if moe_balance == "window" or (moe_balance == "auto" and adds_router_loss(self.model)):
+            # A router's load-balancing loss is a statistic of the batch: per micro-batch it is another objective.
+            require_first_in_class_order(type(self), f"moe_load_balance={moe_balance!r} (a router auxiliary loss)")
             self.moe_mode = MoEWindowMode(self.model)
+        # How the model's loss is normalised, settled on the first window (`adapters/loss_rule.py`).
+        self._loss_rule = TrainerLossRule()
         require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")
         if gradaccum_option(self.args, "atomic_checkpoints"):
             require_private_names(self, ATOMIC_CHECKPOINT_PRIVATE_NAMES, "`atomic_checkpoints=True`")
@@ -233,6 +238,18 @@ class GradAccumTrainer(Trainer):
             effective_batch.on_init_end(self.args, self.state, self.control, model=self.model)
         self._route_composed_losses()
 
+    def use_coupled_loss(self, coupled_loss: CoupledLoss) -> None:
+        """Train in the coupled-loss mode from now on (an in-model contrastive loss found on the first window), with
+        the checks `coupled_loss=` gets at construction."""
+        require_first_in_class_order(type(self), "an in-batch contrastive loss (coupled mode)")
+        if self.args.auto_find_batch_size:
+            raise ValueError(
+                "`auto_find_batch_size=True` cannot train an in-batch contrastive loss exactly: the out-of-memory "
+                "retry would recompute representations in chunks that draw other dropout masks. Choose a "
+                "micro-batch that fits."
+            )
+        self.coupled_mode = CoupledWindowMode(coupled_loss)
+
     def _route_composed_losses(self) -> None:
         """Composed with a trainer whose losses couple the batch (sentence-transformers'), route them to a mode that
         accumulates them exactly; see `adapters/sentence_transformers.py`."""
@@ -293,6 +310,7 @@ class GradAccumTrainer(Trainer):
             elif state is None and self._resume_state_path is not None:
                 self._load_accumulator_state(acc, self._resume_state_path)
         acc.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+        acc.sums_losses = self._loss_rule.sums_losses
         return acc
 
     # ------------------------------------------------------------------ items
@@ -307,8 +325,14 @@ class GradAccumTrainer(Trainer):
 
     def _items_on_device(self, inputs: dict[str, Any]) -> int | torch.Tensor:
         """The default [`count_micro_batch_items`], a count of labels left as a tensor beside them."""
+        settled = self._loss_rule.items_on_device(inputs)
+        if settled is not None:
+            return settled
         label_name = self.label_names[0] if self.label_names else "labels"
         labels = inputs.get(label_name)
+        if isinstance(labels, (list, tuple)):
+            # A list of targets per row (detection): counted by the settled rule; until then, one item per row.
+            return len(labels)
         if labels is None and inputs.get("shift_labels") is None:
             self._warn_once(
                 "no_labels",
@@ -384,6 +408,8 @@ class GradAccumTrainer(Trainer):
         self._micro_index = 0
         self._window_items_local = None
         self._window_counts = {}
+        # Before any count: the first window settles what the model's loss is normalised by (or stops).
+        self._loss_rule.window_prefetched(self, batch_samples)
         if self._count_at_prefetch or self._handed_count:
             # (Elsewhere the loss sees another batch than the one prefetched: it is counted there, not here.)
             try:
@@ -499,6 +525,8 @@ class GradAccumTrainer(Trainer):
         if last and not self._window_end.defer(accumulator):
             self.on_window_end(accumulator.finish_window())
 
+        if self._loss_rule.sums_losses:
+            return loss  # already its share of the window's loss
         if not self._training:
             if self._window_items_local:
                 return loss * (num_items / self._window_items_local)
@@ -718,6 +746,14 @@ class GradAccumTrainer(Trainer):
             return self.moe_mode.compute_loss(
                 self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch
             )
+        terms = self._loss_rule.terms
+        if terms is not None and self._in_micro_step:
+            # The micro-batch's share of the window's loss, each term divided by its own window count.
+            _, outputs = super().compute_loss(
+                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
+            loss = terms.micro_batch_loss(outputs, inputs)
+            return (loss, outputs) if return_outputs else loss
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

@@ -194,6 +194,9 @@ class GradientAccumulator:
                 model, self.parameters, self.accumulation_dtype, reduce_gradients, offload=offload_accumulation_buffer
             )
         self.sharded = self.buffers.sharded
+        self.sums_losses = False
+        """Whether each micro-batch's loss is already its share of the window's loss (a loss that is a sum over its
+        rows, or one weighted per term by the window's counts): the window is then not divided by its items."""
         # Tensor parallelism: a tensor-parallel group shares its batch, so the window is summed over the ranks that
         # see different batches only (`tensor_parallel.py`).
         self._data_parallel_group = data_parallel_group
@@ -637,14 +640,16 @@ class GradientAccumulator:
             self.num_gradient_reductions += 1
             self.num_collectives += collectives
         items, loss_sum = reduced.items, reduced.loss_sum
+        # A loss that is a sum over its rows (each micro-batch's loss already its share of the window's) is not divided.
+        divisor = 1.0 if self.sums_losses else items
         # The in-place path divides by the window's items in the same pass that checks the gradients (and clips them,
         # when asked to).
         prescaled = self.in_place and items > 0
         grad_norm = None
         if prescaled and max_grad_norm is not None:
-            finite_grads, grad_norm = self.buffers.mean_clip_and_check_(items, float(max_grad_norm))
+            finite_grads, grad_norm = self.buffers.mean_clip_and_check_(divisor, float(max_grad_norm))
         elif prescaled:
-            finite_grads = self.buffers.scale_and_check_(1.0 / items)
+            finite_grads = self.buffers.scale_and_check_(1.0 / divisor)
         else:
             finite_grads = self.buffers.all_finite_on_every_rank()
         skip_reason = None
@@ -659,7 +664,7 @@ class GradientAccumulator:
 
         if skip_reason is None:
             if not prescaled:
-                self.buffers.scale_(1.0 / items)
+                self.buffers.scale_(1.0 / divisor)
             for i, (p, got_grad) in enumerate(zip(self.parameters, reduced.touched, strict=True)):
                 # Same dtype: the buffer view *is* the gradient, so no second copy of the gradients exists.
                 p.grad = self.buffers.gradient_for(i, p.dtype) if got_grad else None
@@ -692,7 +697,7 @@ class GradientAccumulator:
         result = WindowResult(
             applied=skip_reason is None,
             num_items=items,
-            loss=loss_sum / items if items > 0 else None,
+            loss=loss_sum / divisor if items > 0 else None,
             micro_steps=window.micro_steps,
             skip_reason=skip_reason,
             recomputed_micro_batches=window.recomputed,

@@ -32,7 +32,8 @@ __all__ = ["MOE_LOAD_BALANCE_MODES", "RouterCounts", "check_moe_load_balance", "
 
 # "micro_batch": each micro-batch's own auxiliary loss, weighted by its share of the window's items (cheap, inexact).
 # "window": the window's routing statistics, from a forward-only first pass (exact, about one extra forward).
-MOE_LOAD_BALANCE_MODES = ("micro_batch", "window")
+# "auto": "window" where the model adds a router auxiliary loss.
+MOE_LOAD_BALANCE_MODES = ("auto", "micro_batch", "window")
 
 
 def check_moe_load_balance(mode: str) -> str:

@@ -1,0 +1,258 @@
+"""[`TrainerLossRule`]: how `GradAccumTrainer` weights a model's micro-batches, settled on the first window.
+
+Before the first optimizer step, with the window the Trainer has just prefetched (`get_batch_samples`), the rules of
+`adapters/model_losses.py` run in order: BatchNorm in training mode stops; an in-model contrastive loss takes the
+coupled mode; a model's loss of several registered terms is weighted per term; any other model's loss is measured
+(`engine/loss_normalisation.py`) and trained with the weighting found, or stopped with the cause. The finding is
+logged and written to `output_dir/accumulation_check.json`. Composed trainers (TRL, sentence-transformers) keep the
+composition registry's counting, which was proven for them; a user's `count_micro_batch_items` override is a
+declaration and is never second-guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.loss_normalisation import (
+    BOXES,
+    LABEL_TOKENS,
+    NONE,
+    ROWS,
+    SHIFTED_LABEL_TOKENS,
+    SUM,
+    NormalisationFinding,
+    batch_count,
+    measure_loss_normalisation,
+)
+from ..verification import verify_split_invariance
+from ..verification.isolation import isolated_probe
+from ..verification.split_invariance import tolerance_for
+from ..verification.windows import concat_window, take_rows
+from .accumulation_check import CHECK_FILE_NAME
+from .arguments import gradaccum_option
+from .composed_class import library_trainer
+from .model_inspection import unwrap_model
+from .model_losses import (
+    ModelLossError,
+    WindowTerms,
+    contrastive_coupled_loss,
+    in_model_contrastive,
+    model_loss_terms,
+    refuse_batchnorm,
+    training_batchnorms,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _reduce_max(values: list[float]) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class TrainerLossRule:
+    """
+    The weighting of a `GradAccumTrainer`'s micro-batches: `None` until settled (the count the trainer has always
+    used: label tokens, shifted for causal LMs), then the rule found on the first window.
+
+    Attributes:
+        rule: a rule of `engine/loss_normalisation.py`, `"coupled"`, `"terms"`, or `None` (not settled, or left to
+            the trainer's own counting).
+        terms: the per-term weighting of a loss of several terms ([`WindowTerms`]).
+        finding: what the measurement found (`None` where nothing was measured).
+    """
+
+    def __init__(self) -> None:
+        self.settled = False
+        self.rule: str | None = None
+        self.terms: WindowTerms | None = None
+        self.finding: NormalisationFinding | None = None
+
+    @property
+    def sums_losses(self) -> bool:
+        """Whether each micro-batch's loss is already its share of the window's (not divided by the window's items)."""
+        return self.rule in (SUM, "terms")
+
+    def items_on_device(self, batch: Mapping[str, Any]) -> int | torch.Tensor | None:
+        """The items of `batch` under the settled rule (`None`: the trainer's own count)."""
+        if self.rule is None or self.rule == "coupled":
+            return None
+        if self.sums_losses:
+            return 1
+        return batch_count(self.rule, batch)
+
+    def window_prefetched(self, trainer: Any, batches: list[Any]) -> None:
+        """Settle the rule on the first window; afterwards, the per-term counts of every window."""
+        if not self.settled and batches:
+            self.settled = True
+            self._settle(trainer, batches)
+        if self.terms is not None and batches:
+            self.terms.prepare(batches)
+
+    # ------------------------------------------------------------------ the first window
+    def _settle(self, trainer: Any, batches: list[Any]) -> None:
+        args = trainer.args
+        model = trainer.model
+        if args.gradient_accumulation_steps == 1 and args.world_size == 1:
+            return  # the micro-batch is the batch: any weighting is exact
+        if gradaccum_option(args, "batchnorm") == "stop" and training_batchnorms(model):
+            raise refuse_batchnorm(model)
+        if trainer.coupled_mode is not None:
+            return  # a declared (or sentence-transformers') window loss
+        first = batches[0] if isinstance(batches[0], Mapping) else {}
+        if in_model_contrastive(model, first):
+            trainer.use_coupled_loss(contrastive_coupled_loss(model))
+            self.rule = "coupled"
+            self._report(trainer, f"{type(unwrap_model(model)).__name__}'s in-batch contrastive loss: coupled mode")
+            return
+        named = gradaccum_option(args, "loss_normalisation")
+        if trainer.moe_mode is not None or not self._model_loss_trains(trainer):
+            return  # MoE window mode (a causal LM); composed trainers: the registry's proven counting
+        if named != "auto":
+            self.rule = named
+            self.finding = NormalisationFinding(rule=named, decided_by="declared", note="named in the arguments")
+        else:
+            self.finding = self._measure(trainer, batches)
+            self.rule = self.finding.rule
+        if self.rule == NONE:
+            self.rule = None
+            self._no_weighting(trainer, batches)
+        if self.sums_losses and trainer._deepspeed_window is not None:
+            raise ModelLossError(
+                f"{type(unwrap_model(model)).__name__}'s loss is {self._describe()}: under DeepSpeed the loss handed "
+                "to its engine is weighted by items before the window's counts exist. Stopped before the first "
+                "optimizer step.\nFix: DDP (the accumulator sums there), or `gradient_accumulation_steps=1`."
+            )
+        self._report(trainer, self.finding.summary() if self.finding else f"loss normalisation: {self.rule}")
+
+    def _describe(self) -> str:
+        return "a sum over its rows" if self.rule == SUM else "several terms, each with its own count"
+
+    @staticmethod
+    def _model_loss_trains(trainer: Any) -> bool:
+        """Whether the loss that trains is the model's own (or a user's subclass's), not a composed library
+        trainer's, and the user declared no count of their own."""
+        from .trainer import GradAccumTrainer  # the adapter this rule serves
+
+        if type(trainer).count_micro_batch_items is not GradAccumTrainer.count_micro_batch_items:
+            return False
+        if callable(getattr(trainer, "compute_loss_func", None)):
+            return False
+        cls = library_trainer(trainer)
+        return cls is None or cls.__module__.split(".")[0] == "transformers"
+
+    def _prior(self, trainer: Any, batch: Mapping[str, Any]) -> str:
+        """The rule the trainer's own count follows on `batch` (kept where the data cannot tell rules apart)."""
+        label_name = trainer.label_names[0] if trainer.label_names else "labels"
+        labels = batch.get(label_name)
+        if batch.get("shift_labels") is not None:
+            return LABEL_TOKENS
+        if labels is None:
+            return ROWS
+        if isinstance(labels, (list, tuple)):
+            return BOXES
+        labels = labels if torch.is_tensor(labels) else torch.as_tensor(labels)
+        if labels.is_floating_point():
+            return ROWS
+        if labels.dim() > 1 and trainer._shifts_labels():
+            return SHIFTED_LABEL_TOKENS
+        return LABEL_TOKENS
+
+    def _measure(self, trainer: Any, batches: list[Any]) -> NormalisationFinding:
+        model = trainer.model
+        prepared = [trainer._prepare_inputs(b) for b in batches]
+        prior = self._prior(trainer, prepared[0])
+        label_name = trainer.label_names[0] if trainer.label_names else "labels"
+
+        def loss_of(batch: Mapping[str, Any]) -> float:
+            with torch.no_grad(), trainer.compute_loss_context_manager():
+                return float(trainer.compute_loss(model, dict(batch)).float())
+
+        def loss_fn(module: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+            with trainer.compute_loss_context_manager():
+                return trainer.compute_loss(module, batch)
+
+        def confirm(rule: str) -> bool | None:
+            if rule == SUM:
+                return None
+            result = verify_split_invariance(
+                model,
+                prepared,
+                loss_fn=loss_fn,
+                count_items=lambda b: int(batch_count(rule, b, label_name=label_name)),
+            )
+            return {"exact": True, "not_exact": False}.get(result.verdict)
+
+        dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
+        if dtype is None:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        with isolated_probe(model):
+            return measure_loss_normalisation(
+                loss_of,
+                prepared,
+                take_rows=take_rows,
+                concat=concat_window,
+                prior=prior,
+                tolerance=tolerance_for(dtype),
+                label_name=label_name,
+                confirm=confirm,
+                reduce_max=_reduce_max,
+            )
+
+    def _no_weighting(self, trainer: Any, batches: list[Any]) -> None:
+        """No single weighting holds: a registered loss of several terms is weighted per term; anything else stops."""
+        model = trainer.model
+        prepared = trainer._prepare_inputs(batches[0])
+        terms = model_loss_terms(model, prepared)
+        name = type(unwrap_model(model)).__name__
+        mismatch = "not registered"
+        if terms is not None:
+            window_terms = WindowTerms(terms)
+            with isolated_probe(model), torch.no_grad(), trainer.compute_loss_context_manager():
+                loss, outputs = trainer.compute_loss(model, dict(prepared), return_outputs=True)
+                mismatch = window_terms.check_against(loss, outputs, prepared, self.finding.tolerance * 10)
+            if not mismatch:
+                self.rule, self.terms = "terms", window_terms
+                self.finding.rule, self.finding.decided_by = "terms", "registry"
+                self.finding.note = "a sum of terms, each a mean over its own count: " + ", ".join(
+                    f"{t.logits} over {t.labels}" for t in terms
+                )
+                return
+        raise ModelLossError(
+            f"{name}'s loss is not a mean over any count its batch carries, nor a sum ({self.finding.note}; "
+            f"terms: {mismatch}): it couples the rows of a batch (a statistic of the batch, such as an auxiliary "
+            "loss) or adds terms with different counts, so no weighting of micro-batches equals the large batch. "
+            "Stopped before the first optimizer step.\nFix: `gradient_accumulation_steps=1` with the batch you "
+            'want, or name the weighting you know is right (`loss_normalisation="rows"`, ...), or a '
+            "`coupled_loss=` for a loss over the whole window (docs/coupled_losses.md)."
+        )
+
+    def _report(self, trainer: Any, summary: str) -> None:
+        logger.info("GradAccumTrainer: %s", summary)
+        if self.finding is not None:
+            trainer.log({"accumulator/loss_normalisation_seconds": self.finding.seconds})
+        if not trainer.is_world_process_zero():
+            return
+        path = os.path.join(trainer.args.output_dir, CHECK_FILE_NAME)
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+        record: dict[str, Any] = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                record = json.load(f)
+        record["model"] = type(unwrap_model(trainer.model)).__name__
+        record["loss_normalisation"] = (
+            self.finding.to_dict() if self.finding is not None else {"rule": self.rule, "note": summary}
+        )
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)

@@ -1,0 +1,354 @@
+"""Measuring how a loss is normalised: which weighting of micro-batch losses makes up the loss of their concatenation.
+
+A micro-batch's weight must be what its loss divides by, and models differ: a mean over label tokens (causal LMs
+count them after the one-token shift), over rows, over a count the data carries (boxes, masked patches), a mean of
+per-sample means (CTC's `"mean"`: a mean over rows), a plain sum (CTC's `"sum"`), or no count at all (a statistic of
+the whole batch: BatchNorm, in-batch negatives, a router's load-balancing loss, terms with different counts).
+
+The loss values decide it without a backward. Cut a batch of rows into two parts `a` and `b`: a loss that is a mean
+over a count `c` satisfies `L(a+b) = (c_a L(a) + c_b L(b)) / (c_a + c_b)`, a sum satisfies `L(a+b) = L(a) + L(b)`,
+and a statistic of the batch satisfies neither. [`measure_loss_normalisation`] evaluates every candidate rule on
+such cuts of a window (forward passes only, under `torch.no_grad`) and returns the rule that holds, or `"none"`.
+Two rules whose counts are proportional on every row seen give the same weights there, so the data cannot tell them
+apart; the preferred one (the caller's prior) is then kept, and said so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .items import IGNORE_INDEX
+
+SUM = "sum"
+ROWS = "rows"
+LABEL_TOKENS = "label_tokens"
+SHIFTED_LABEL_TOKENS = "shifted_label_tokens"
+BOXES = "boxes"
+NONE = "none"
+# The rules a user may name (`loss_normalisation=`); rules over other keys the data carries are named `count:<key>`.
+NAMED_RULES = (LABEL_TOKENS, SHIFTED_LABEL_TOKENS, ROWS, SUM, BOXES)
+# Keys that are model inputs, never something a loss divides by.
+_INPUT_KEYS = frozenset(
+    {"input_ids", "attention_mask", "token_type_ids", "position_ids", "pixel_values", "input_values",
+     "input_features", "decoder_input_ids", "decoder_attention_mask", "pixel_mask", "head_mask", "inputs_embeds"}
+)  # fmt: skip
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    for value in batch.values():
+        if torch.is_tensor(value) and value.dim() > 0:
+            return int(value.shape[0])
+    for value in batch.values():
+        if isinstance(value, (list, tuple)):
+            return len(value)
+    raise ValueError(f"Cannot count the rows of a batch with keys {sorted(batch)}.")
+
+
+def _boxes(labels: Any) -> int | None:
+    """Objects of a detection batch: `labels` is a list of dicts, one per image, each with `class_labels`/`boxes`."""
+    if not isinstance(labels, (list, tuple)) or not labels or not all(isinstance(t, Mapping) for t in labels):
+        return None
+    total = 0
+    for target in labels:
+        value = target.get("class_labels", target.get("boxes"))
+        if value is None:
+            return None
+        total += int(len(value))
+    return total
+
+
+def _label_count(value: Any, *, shifted: bool = False) -> int | torch.Tensor | None:
+    if not torch.is_tensor(value) or value.is_floating_point() or value.dim() == 0:
+        return None
+    if value.dtype == torch.bool:
+        return value.sum()
+    if shifted:
+        if value.dim() < 2:
+            return None
+        value = value[..., 1:]
+    return value.ne(IGNORE_INDEX).sum()
+
+
+def batch_count(rule: str, batch: Mapping[str, Any], *, label_name: str = "labels") -> int | torch.Tensor | None:
+    """
+    The count that `rule` weights `batch` by, or `None` where the rule does not apply to this batch. A count of
+    labels stays a 0-dim tensor beside them (read it with [`~hf_gradaccum.engine.items.read_counts`]).
+
+    Rules: `"rows"`; `"label_tokens"` / `"shifted_label_tokens"` (entries of `labels`, or of the `shift_labels` a
+    padding-free collator provides, that are not -100; shifted: `labels[..., 1:]`); `"boxes"` (objects in a detection
+    batch's list of target dicts); `"count:<key>"` (entries of another label or mask key that are not -100, or true);
+    `"sum"` (1 per micro-batch: the loss is its contribution to the window's sum).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.loss_normalisation import batch_count
+    >>> batch = {"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}
+    >>> int(batch_count("label_tokens", batch)), int(batch_count("shifted_label_tokens", batch)), batch_count("rows", batch)
+    (3, 1, 2)
+    ```
+    """
+    if rule == SUM:
+        return 1
+    if rule == ROWS:
+        return _rows(batch)
+    labels = batch.get(label_name)
+    if rule == BOXES:
+        return _boxes(labels)
+    if rule in (LABEL_TOKENS, SHIFTED_LABEL_TOKENS):
+        if batch.get("shift_labels") is not None:
+            return _label_count(batch["shift_labels"])
+        if torch.is_tensor(labels) and labels.is_floating_point():
+            return None
+        return _label_count(labels, shifted=rule == SHIFTED_LABEL_TOKENS)
+    if rule.startswith("count:"):
+        return _label_count(batch.get(rule[len("count:") :]))
+    raise ValueError(
+        f"Unknown loss normalisation rule {rule!r}: expected one of {list(NAMED_RULES)} or 'count:<key>'."
+    )
+
+
+def candidate_rules(batch: Mapping[str, Any], *, label_name: str = "labels") -> list[str]:
+    """The rules that apply to `batch`: every named rule with a count here, and a `count:<key>` for each other
+    integer label or boolean mask it carries (a next-sentence label, masked patches)."""
+    rules = [
+        r
+        for r in (LABEL_TOKENS, SHIFTED_LABEL_TOKENS, ROWS, BOXES)
+        if batch_count(r, batch, label_name=label_name) is not None
+    ]
+    for key, value in batch.items():
+        if key in _INPUT_KEYS or key in (label_name, "shift_labels") or not torch.is_tensor(value):
+            continue
+        if ("label" in key or "mask" in key) and _label_count(value) is not None:
+            rules.append(f"count:{key}")
+    return [SUM, *rules]
+
+
+@dataclass
+class NormalisationFinding:
+    """
+    What [`measure_loss_normalisation`] found.
+
+    Attributes:
+        rule: the rule training uses: a mean rule (`"label_tokens"`, `"rows"`, ...), `"sum"`, or `"none"` (no
+            weighting makes the parts add up: a statistic of the batch, or terms with different counts).
+        decided_by: `"values"` (the loss values single it out), `"prior"` (several rules hold and give the same
+            weights on every row seen: the preferred one is kept), `"gradient"` (the values could not tell rules that
+            weigh differently apart; the gradient split check chose), `"undecided"` (nothing could be measured: the
+            prior is kept) or `"declared"` (named by the user).
+        residuals: rule -> the largest relative difference between a whole's loss and its parts' combination.
+        consistent: the rules within `tolerance` on every cut.
+        equivalent: the consistent rules that weigh every row seen as the chosen one does.
+        cuts: the number of (whole, parts) comparisons made.
+        forwards: forward passes spent (no backward).
+        tolerance: the relative tolerance on loss values.
+        seconds: wall time of the measurement.
+        note: why, in words.
+    """
+
+    rule: str
+    decided_by: str
+    residuals: dict[str, float] = field(default_factory=dict)
+    consistent: list[str] = field(default_factory=list)
+    equivalent: list[str] = field(default_factory=list)
+    cuts: int = 0
+    forwards: int = 0
+    tolerance: float = 0.0
+    seconds: float = 0.0
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["residuals"] = {k: (v if math.isfinite(v) else None) for k, v in self.residuals.items()}
+        return out
+
+    def summary(self) -> str:
+        return f"loss normalisation: {self.rule} (decided by {self.decided_by}; {self.note})"
+
+
+@dataclass
+class _Cut:
+    whole: float
+    parts: tuple[float, float]
+    counts: dict[str, tuple[float, float]]
+
+
+def _cuts_of(
+    batches: Sequence[Mapping[str, Any]], take_rows: Callable, concat: Callable
+) -> list[tuple[Any, Any, Any]]:
+    """(whole, part a, part b) for each micro-batch of two rows or more (its first row against the rest: the most
+    uneven cut, where rules that weigh rows differently disagree most); one-row micro-batches are paired."""
+    cuts, singles = [], []
+    for batch in batches:
+        rows = _rows(batch)
+        if rows >= 2:
+            cuts.append((batch, take_rows(batch, 0, 1), take_rows(batch, 1, rows)))
+        elif rows == 1:
+            singles.append(batch)
+    for a, b in zip(singles[0::2], singles[1::2], strict=False):
+        try:
+            whole, _ = concat([a, b])
+        except (ValueError, TypeError):
+            continue  # micro-batches that cannot be concatenated (images of different sizes): not a cut
+        cuts.append((whole, a, b))
+    return cuts
+
+
+def _predicted(rule: str, cut: _Cut) -> float | None:
+    la, lb = cut.parts
+    if rule == SUM:
+        return la + lb
+    ca, cb = cut.counts[rule]
+    if ca + cb <= 0:
+        return None
+    # A part without items has a 0/0 mean (NaN): it contributes nothing.
+    return ((ca * la if ca else 0.0) + (cb * lb if cb else 0.0)) / (ca + cb)
+
+
+def _proportional(a: str, b: str, cuts: Sequence[_Cut]) -> bool:
+    """Whether rules `a` and `b` weigh every part of every cut alike (counts proportional): the data cannot tell
+    them apart, and either gives the same update on it."""
+    if SUM in (a, b):
+        return a == b
+    pairs = [(x, y) for cut in cuts for x, y in zip(cut.counts[a], cut.counts[b], strict=True)]
+    total_a, total_b = sum(x for x, _ in pairs), sum(y for _, y in pairs)
+    return all(math.isclose(x * total_b, y * total_a, rel_tol=1e-9, abs_tol=1e-9) for x, y in pairs)
+
+
+def measure_loss_normalisation(
+    loss_of: Callable[[Mapping[str, Any]], float],
+    batches: Sequence[Mapping[str, Any]],
+    *,
+    take_rows: Callable,
+    concat: Callable,
+    prior: str,
+    tolerance: float = 1e-5,
+    label_name: str = "labels",
+    confirm: Callable[[str], bool | None] | None = None,
+    reduce_max: Callable[[list[float]], list[float]] | None = None,
+) -> NormalisationFinding:
+    """
+    Find how the loss computed by `loss_of(batch)` (a float: the loss of one batch, no gradient needed) is normalised,
+    from the micro-batches of one window. Every applicable rule ([`candidate_rules`]) is tried on cuts of the window
+    (each micro-batch's first row against its other rows; one-row micro-batches in pairs): 3 forwards per cut.
+
+    Args:
+        loss_of: the loss of one batch, as training computes it (randomness off).
+        batches: the window's micro-batches (dicts of tensors, rows first).
+        take_rows: `take_rows(batch, start, stop)`, rows of a batch (`verification.windows.take_rows`).
+        concat: `concat(batches) -> (batch, sizes)`, micro-batches as one batch (`verification.windows.concat_window`).
+        prior: the rule kept when several rules hold with the same weights on the data (the model's own count).
+        tolerance: relative tolerance on loss values (rounding of a forward at another batch shape).
+        confirm: `confirm(rule)`: whether the gradient split check shows `rule` exact (`None`: cannot tell); asked
+            only when the values single out no weighting among rules that weigh differently.
+        reduce_max: under several processes, the element-wise maximum over ranks of a list of floats, so every rank
+            reaches the same verdict.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_gradaccum.engine.loss_normalisation import measure_loss_normalisation
+    >>> from hf_gradaccum.verification.windows import concat_window, take_rows
+    >>> w = torch.tensor([1.0, 2.0, 3.0])
+    >>> def loss_of(batch):  # a sum over rows
+    ...     return float((batch["x"] @ w).sum())
+    >>> batches = [{"x": torch.randn(3, 3), "labels": torch.tensor([1, 0, 1])} for _ in range(2)]
+    >>> measure_loss_normalisation(loss_of, batches, take_rows=take_rows, concat=concat_window, prior="rows").rule
+    'sum'
+    ```
+    """
+    start = time.perf_counter()
+    candidates = candidate_rules(batches[0], label_name=label_name) if batches else [SUM]
+    if prior not in candidates:
+        candidates.append(prior)
+    cuts: list[_Cut] = []
+    forwards = 0
+    for whole, part_a, part_b in _cuts_of(batches, take_rows, concat):
+        values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
+        forwards += 3
+        counts = {}
+        for rule in candidates:
+            if rule == SUM:
+                continue
+            got = [batch_count(rule, b, label_name=label_name) for b in (part_a, part_b)]
+            counts[rule] = tuple(float(c) if c is not None else math.nan for c in got)
+        cuts.append(_Cut(values[0], (values[1], values[2]), counts))
+    residuals: dict[str, float] = {}
+    for rule in candidates:
+        worst = 0.0
+        for cut in cuts:
+            if not math.isfinite(cut.whole) or (rule != SUM and any(math.isnan(c) for c in cut.counts[rule])):
+                worst = math.inf
+                break
+            predicted = _predicted(rule, cut)
+            if predicted is None or not math.isfinite(predicted):
+                worst = math.inf
+                break
+            worst = max(worst, abs(cut.whole - predicted) / max(abs(cut.whole), 1e-12))
+        residuals[rule] = worst if cuts else math.nan
+    if reduce_max is not None:
+        # The same candidates on every rank (they come from the batch's keys); NaN (no cut here) counts as 0.
+        values = reduce_max([0.0 if math.isnan(v) else min(v, 1e30) for v in residuals.values()])
+        residuals = dict(zip(residuals, values, strict=True))
+        any_cut = reduce_max([1.0 if cuts else 0.0])[0] > 0
+    else:
+        any_cut = bool(cuts)
+    finding = NormalisationFinding(rule=prior, decided_by="undecided", residuals=residuals, cuts=len(cuts),
+                                   forwards=forwards, tolerance=tolerance)  # fmt: skip
+    if not any_cut:
+        finding.note = "no micro-batch could be cut (one row each, and pairs could not be concatenated)"
+        finding.seconds = time.perf_counter() - start
+        return finding
+    consistent = [r for r in candidates if residuals[r] <= tolerance]
+    finding.consistent = consistent
+    preference = [prior, *[r for r in (ROWS, LABEL_TOKENS, SHIFTED_LABEL_TOKENS, BOXES, SUM) if r != prior]]
+    ordered = sorted(consistent, key=lambda r: preference.index(r) if r in preference else len(preference))
+    if not ordered:
+        finding.rule, finding.decided_by = NONE, "values"
+        best = min(residuals, key=lambda r: residuals[r])
+        finding.note = (
+            f"no weighting makes the parts add up to the whole (closest: {best}, off by {residuals[best]:.2g} "
+            f"relative; tolerance {tolerance:.1g})"
+        )
+    else:
+        # Rules that weigh the rows seen alike form one class; the first class holds the preferred rule.
+        classes: list[list[str]] = []
+        for rule in ordered:
+            for group in classes:
+                if _proportional(group[0], rule, cuts):
+                    group.append(rule)
+                    break
+            else:
+                classes.append([rule])
+        if len(classes) == 1:
+            finding.rule, finding.decided_by, finding.equivalent = ordered[0], "values", classes[0]
+            if len(classes[0]) > 1:
+                finding.decided_by = "prior" if ordered[0] == prior else "values"
+                finding.note = f"{', '.join(classes[0])} weigh every row seen alike"
+            else:
+                finding.note = "the only weighting under which the parts add up to the whole"
+        else:
+            finding.decided_by = "gradient"
+            verdicts = {}
+            for group in classes:
+                verdict = None if confirm is None else confirm(group[0])
+                verdicts[group[0]] = verdict
+                if verdict:
+                    finding.rule, finding.equivalent = group[0], group
+                    break
+            else:
+                finding.rule, finding.decided_by = NONE, "gradient"
+            finding.note = (
+                f"the loss values hold under weightings that differ ({', '.join(g[0] for g in classes)}); the "
+                f"gradient split check: {verdicts}"
+            )
+    finding.seconds = time.perf_counter() - start
+    return finding
