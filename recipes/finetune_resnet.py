@@ -301,6 +301,9 @@ def run_arm(
     )
     if spec.kind == "noise_floor":
         perturb_for_noise_floor(model)
+    if batchnorm_layers and spec.batchnorm in ("keep", "momentum"):
+        # These arms show what per-micro-batch statistics cost: named, since GradAccumTrainer stops on them otherwise.
+        args.batchnorm_statistics = "micro_batch"
     trainer = GradAccumTrainer(
         model=model,
         args=args,

@@ -92,11 +92,11 @@ def _lora(targets, task="CAUSAL_LM") -> LoraConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------- runners
-def run_sft(trainer_cls, tmp, *, data="text", peft=False, model_fn=tiny_llama, stock=False) -> float:
+def run_sft(trainer_cls, tmp, *, data="text", peft=False, model_fn=tiny_llama, stock=False, **options) -> float:
     torch.manual_seed(0)
     args_cls = SFTConfig if stock else GradAccumSFTConfig
     extra = {"completion_only_loss": True} if data == "completion_only" else {}
-    args = args_cls(str(tmp), bf16=False, **extra, **TRAIN_ARGS)
+    args = args_cls(str(tmp), bf16=False, **extra, **({} if stock else options), **TRAIN_ARGS)
     dataset = prompt_completion_dataset(NUM_SAMPLES) if data == "completion_only" else text_dataset(NUM_SAMPLES)
     kwargs = {"peft_config": _lora(["q_proj", "v_proj"])} if peft else {}
     trainer, windows, initial, start = train_and_collect(
@@ -119,13 +119,15 @@ def _pad_collator(rows: list[dict]) -> dict[str, torch.Tensor]:
     return pad_cat([{k: torch.tensor([v]) for k, v in r.items()} for r in rows], {"labels": -100})
 
 
-def run_plain(trainer_cls, tmp, *, model_fn, lora_targets=None, stock=False) -> float:
+def run_plain(trainer_cls, tmp, *, model_fn, lora_targets=None, stock=False, **options) -> float:
     """A model computing its own loss (PEFT LoRA-wrapped, or an MoE adding its router loss) in a plain Trainer."""
     torch.manual_seed(0)
     model = model_fn()
     if lora_targets:
         model = get_peft_model(model, _lora(lora_targets))
-    args = (TrainingArguments if stock else GradAccumArguments)(str(tmp), **TRAIN_ARGS)
+    args = (
+        TrainingArguments(str(tmp), **TRAIN_ARGS) if stock else GradAccumArguments(str(tmp), **options, **TRAIN_ARGS)
+    )
     trainer, windows, initial, start = train_and_collect(
         trainer_cls,
         args,
@@ -267,7 +269,8 @@ COMBINATIONS = {
         for order, cls in SFT_ORDERS.items()
     },
     "sft_moe_router_aux_loss": (
-        lambda tmp: run_sft(GradAccumFirstSFT, tmp, model_fn=tiny_mixtral),
+        # The per-micro-batch router term, named (the default is the exact window mode: tests/test_moe_balance.py).
+        lambda tmp: run_sft(GradAccumFirstSFT, tmp, model_fn=tiny_mixtral, moe_load_balance="micro_batch"),
         lambda tmp: run_sft(SFTTrainer, tmp, model_fn=tiny_mixtral, stock=True),
     ),
     **{
@@ -282,7 +285,7 @@ COMBINATIONS = {
         )
     },
     "moe_model_loss_router_aux": (
-        lambda tmp: run_plain(GradAccumTrainer, tmp, model_fn=tiny_mixtral),
+        lambda tmp: run_plain(GradAccumTrainer, tmp, model_fn=tiny_mixtral, moe_load_balance="micro_batch"),
         lambda tmp: run_plain(Trainer, tmp, model_fn=tiny_mixtral, stock=True),
     ),
     "seq2seq_t5_predict_with_generate": (

@@ -42,7 +42,9 @@ def test_off_by_default_writes_nothing(tmp_path):
         train_dataset=seq_cls_data(32, torch.Generator()),
     )
     trainer.train()
-    assert not (tmp_path / "accumulation_check.json").exists()
+    # The first window's loss normalisation is recorded by default; the split-invariance check is not.
+    record = json.loads((tmp_path / "accumulation_check.json").read_text())
+    assert "verdict" not in record and record["loss_normalisation"]["rule"] == "label_tokens", record
 
 
 def _bn_resnet():
@@ -54,7 +56,11 @@ def _bn_resnet():
 
 def test_batchnorm_resnet_raises_with_the_diagnosis_before_any_step(tmp_path):
     torch.manual_seed(0)
-    args = GradAccumArguments(str(tmp_path), verify_accumulation="first_step", verify_raise=True, **TRAIN)
+    # Per-micro-batch statistics named, so that the split-invariance check is what stops it (by default the
+    # first window's BatchNorm rule would: tests/test_model_losses.py).
+    args = GradAccumArguments(
+        str(tmp_path), verify_accumulation="first_step", verify_raise=True, batchnorm_statistics="micro_batch", **TRAIN
+    )
     model = _bn_resnet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = GradAccumTrainer(model=model, args=args, train_dataset=image_data(32, torch.Generator()))
@@ -66,7 +72,13 @@ def test_batchnorm_resnet_raises_with_the_diagnosis_before_any_step(tmp_path):
 
 
 def test_batchnorm_resnet_warns_and_trains_on(tmp_path, caplog):
-    args = GradAccumArguments(str(tmp_path), verify_accumulation="every_n_steps", verify_every_n_steps=1, **TRAIN)
+    args = GradAccumArguments(
+        str(tmp_path),
+        verify_accumulation="every_n_steps",
+        verify_every_n_steps=1,
+        batchnorm_statistics="micro_batch",
+        **TRAIN,
+    )
     trainer = GradAccumTrainer(model=_bn_resnet(), args=args, train_dataset=image_data(32, torch.Generator()))
     with caplog.at_level("WARNING"):
         trainer.train()

@@ -190,7 +190,7 @@ class GradAccumFields:
             "choices": list(LOSS_NORMALISATIONS),
         },
     )
-    batchnorm: str = field(
+    batchnorm_statistics: str = field(
         default="stop",
         metadata={
             "help": "A model with BatchNorm layers in training mode normalises each micro-batch by its own "
@@ -301,7 +301,7 @@ def validate_gradaccum_fields(args: Any) -> None:
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
     check_accumulation_path(gradaccum_option(args, "accumulation_path"))
     check_moe_load_balance(gradaccum_option(args, "moe_load_balance"))
-    check_batchnorm_mode(gradaccum_option(args, "batchnorm"))
+    check_batchnorm_mode(gradaccum_option(args, "batchnorm_statistics"))
     normalisation = gradaccum_option(args, "loss_normalisation")
     if normalisation not in LOSS_NORMALISATIONS:
         raise ValueError(f"`loss_normalisation` must be one of {list(LOSS_NORMALISATIONS)}, got {normalisation!r}.")

@@ -48,6 +48,7 @@ from .model_losses import (
     refuse_batchnorm,
     training_batchnorms,
 )
+from .moe import adds_router_loss
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,13 @@ class TrainerLossRule:
         model = trainer.model
         if args.gradient_accumulation_steps == 1 and args.world_size == 1:
             return  # the micro-batch is the batch: any weighting is exact
-        if gradaccum_option(args, "batchnorm") == "stop" and training_batchnorms(model):
-            raise refuse_batchnorm(model)
+        if training_batchnorms(model):
+            if gradaccum_option(args, "batchnorm_statistics") == "stop":
+                raise refuse_batchnorm(model)
+            # Per-micro-batch statistics, named: the batch is coupled knowingly, so the values cannot add up; each
+            # micro-batch keeps the trainer's own count.
+            self._report(trainer, 'batchnorm_statistics="micro_batch": per-micro-batch BatchNorm statistics, as named')
+            return
         if trainer.coupled_mode is not None:
             return  # a declared (or sentence-transformers') window loss
         first = batches[0] if isinstance(batches[0], Mapping) else {}
@@ -117,8 +123,10 @@ class TrainerLossRule:
             self._report(trainer, f"{type(unwrap_model(model)).__name__}'s in-batch contrastive loss: coupled mode")
             return
         named = gradaccum_option(args, "loss_normalisation")
-        if trainer.moe_mode is not None or not self._model_loss_trains(trainer):
-            return  # MoE window mode (a causal LM); composed trainers: the registry's proven counting
+        if trainer.moe_mode is not None or adds_router_loss(model) or not self._model_loss_trains(trainer):
+            # The MoE window mode (a causal LM), or its per-micro-batch router term named knowingly; composed
+            # trainers: the composition registry's proven counting.
+            return
         if named != "auto":
             self.rule = named
             self.finding = NormalisationFinding(rule=named, decided_by="declared", note="named in the arguments")
@@ -194,6 +202,19 @@ class TrainerLossRule:
             )
             return {"exact": True, "not_exact": False}.get(result.verdict)
 
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def grad_of(batch: Mapping[str, Any]) -> torch.Tensor:
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(model, dict(batch))
+            grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
+            return torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(p)).flatten().float()
+                    for g, p in zip(grads, params, strict=True)
+                ]
+            )
+
         dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if dtype is None:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -208,6 +229,7 @@ class TrainerLossRule:
                 label_name=label_name,
                 confirm=confirm,
                 reduce_max=_reduce_max,
+                grad_of=grad_of,
             )
 
     def _no_weighting(self, trainer: Any, batches: list[Any]) -> None:

@@ -6,7 +6,7 @@ window, before any step:
 
 - **BatchNorm in training mode** normalises each micro-batch by its own statistics: no weighting makes that the large
   batch, so training stops, naming the options (GroupNorm conversion, frozen statistics, or
-  `batchnorm="micro_batch"` to keep per-micro-batch statistics knowingly).
+  `batchnorm_statistics="micro_batch"` to keep per-micro-batch statistics knowingly).
 - **In-model contrastive losses** (`CLIPModel`, `SiglipModel` and the like with `return_loss=True`) couple every pair
   of the batch: the coupled mode (gradient caching over the window) is chosen for the models it knows, and any other
   stops, saying how to declare one.
@@ -43,7 +43,7 @@ class ModelLossError(ValueError):
 def check_batchnorm_mode(mode: str) -> str:
     """Return `mode` if it is one of `BATCHNORM_MODES`, else raise a `ValueError` naming the argument."""
     if mode not in BATCHNORM_MODES:
-        raise ValueError(f"`batchnorm` must be one of {list(BATCHNORM_MODES)}, got {mode!r}.")
+        raise ValueError(f"`batchnorm_statistics` must be one of {list(BATCHNORM_MODES)}, got {mode!r}.")
     return mode
 
 
@@ -62,7 +62,7 @@ def refuse_batchnorm(model: nn.Module) -> ModelLossError:
         "normalises a micro-batch by that micro-batch's own statistics, so no accumulation equals the large batch. "
         "Stopped before the first optimizer step.\nFix (one of): `model = convert_batchnorm_to_groupnorm(model)` "
         "(exact; docs/design.md), `model = freeze_batchnorm(model)` (stored statistics, exact), or "
-        '`batchnorm="micro_batch"` in the arguments to train with per-micro-batch statistics knowingly.'
+        '`batchnorm_statistics="micro_batch"` in the arguments to train with per-micro-batch statistics knowingly.'
     )
 
 

@@ -166,7 +166,7 @@ class GradAccumTrainer(Trainer):
         moe_balance = gradaccum_option(self.args, "moe_load_balance")
         if moe_balance == "window" or (moe_balance == "auto" and adds_router_loss(self.model)):
             # A router's load-balancing loss is a statistic of the batch: per micro-batch it is another objective.
-            require_first_in_class_order(type(self), f"moe_load_balance={moe_balance!r} (a router auxiliary loss)")
+            require_first_in_class_order(type(self), "moe_load_balance='window'")
             self.moe_mode = MoEWindowMode(self.model)
         # How the model's loss is normalised, settled on the first window (`adapters/loss_rule.py`).
         self._loss_rule = TrainerLossRule()

@@ -144,6 +144,7 @@ class NormalisationFinding:
             weigh differently apart; the gradient split check chose), `"undecided"` (nothing could be measured: the
             prior is kept) or `"declared"` (named by the user).
         residuals: rule -> the largest relative difference between a whole's loss and its parts' combination.
+        gradient_residuals: rule -> the same for the gradient, on the first cut (the rules the values allow).
         consistent: the rules within `tolerance` on every cut.
         equivalent: the consistent rules that weigh every row seen as the chosen one does.
         cuts: the number of (whole, parts) comparisons made.
@@ -158,6 +159,7 @@ class NormalisationFinding:
     residuals: dict[str, float] = field(default_factory=dict)
     consistent: list[str] = field(default_factory=list)
     equivalent: list[str] = field(default_factory=list)
+    gradient_residuals: dict[str, float] = field(default_factory=dict)
     cuts: int = 0
     forwards: int = 0
     tolerance: float = 0.0
@@ -180,6 +182,16 @@ class _Cut:
     counts: dict[str, tuple[float, float]]
 
 
+def _rows_of(batch: Mapping[str, Any], take_rows: Callable, start: int, stop: int) -> dict[str, Any]:
+    """Rows `start:stop` of `batch`, per-row lists (a detection batch's targets) cut with them."""
+    rows = _rows(batch)
+    out = take_rows(batch, start, stop)
+    for key, value in batch.items():
+        if isinstance(value, (list, tuple)) and len(value) == rows:
+            out[key] = list(value[start:stop])
+    return out
+
+
 def _cuts_of(
     batches: Sequence[Mapping[str, Any]], take_rows: Callable, concat: Callable
 ) -> list[tuple[Any, Any, Any]]:
@@ -189,7 +201,7 @@ def _cuts_of(
     for batch in batches:
         rows = _rows(batch)
         if rows >= 2:
-            cuts.append((batch, take_rows(batch, 0, 1), take_rows(batch, 1, rows)))
+            cuts.append((batch, _rows_of(batch, take_rows, 0, 1), _rows_of(batch, take_rows, 1, rows)))
         elif rows == 1:
             singles.append(batch)
     for a, b in zip(singles[0::2], singles[1::2], strict=False):
@@ -210,6 +222,44 @@ def _predicted(rule: str, cut: _Cut) -> float | None:
         return None
     # A part without items has a 0/0 mean (NaN): it contributes nothing.
     return ((ca * la if ca else 0.0) + (cb * lb if cb else 0.0)) / (ca + cb)
+
+
+def _gradient_residuals(
+    grad_of: Callable[[Mapping[str, Any]], torch.Tensor],
+    batches: tuple[Any, Any, Any],
+    cut: _Cut,
+    rules: Sequence[str],
+    label_name: str,
+) -> dict[str, float]:
+    whole, part_a, part_b = batches
+    g_a, g_b = grad_of(part_a), grad_of(part_b)
+    g_whole = grad_of(whole)
+    scale = max(float(g_whole.norm()), 1e-30)
+    out = {}
+    for rule in rules:
+        if rule == SUM:
+            predicted = g_a + g_b
+        else:
+            ca, cb = cut.counts[rule]
+            predicted = ((g_a * ca if ca else 0.0) + (g_b * cb if cb else 0.0)) / (ca + cb)
+        out[rule] = float((g_whole - predicted).norm()) / scale
+    return out
+
+
+def _random_forward(
+    loss_of: Callable[[Mapping[str, Any]], float],
+    batch: Mapping[str, Any],
+    first: float,
+    tolerance: float,
+    reduce_max: Callable[[list[float]], list[float]] | None,
+) -> bool:
+    """Whether `batch`'s loss computed again differs from `first` beyond `tolerance` (on any rank): randomness the
+    probe could not switch off, which no weighting explains and which must never read as a coupled batch."""
+    again = float(loss_of(batch))
+    difference = abs(again - first) / max(abs(first), 1e-12) if math.isfinite(again) else math.inf
+    if reduce_max is not None:
+        difference = reduce_max([min(difference, 1e30)])[0]
+    return difference > tolerance
 
 
 def _proportional(a: str, b: str, cuts: Sequence[_Cut]) -> bool:
@@ -233,6 +283,7 @@ def measure_loss_normalisation(
     label_name: str = "labels",
     confirm: Callable[[str], bool | None] | None = None,
     reduce_max: Callable[[list[float]], list[float]] | None = None,
+    grad_of: Callable[[Mapping[str, Any]], torch.Tensor] | None = None,
 ) -> NormalisationFinding:
     """
     Find how the loss computed by `loss_of(batch)` (a float: the loss of one batch, no gradient needed) is normalised,
@@ -250,6 +301,8 @@ def measure_loss_normalisation(
             only when the values single out no weighting among rules that weigh differently.
         reduce_max: under several processes, the element-wise maximum over ranks of a list of floats, so every rank
             reaches the same verdict.
+        grad_of: `grad_of(batch)`: the flat gradient of the loss of `batch`. Where given, the first cut's gradients
+            (one forward and backward of a micro-batch and of its two parts) must add up under the rule too.
 
     Example:
 
@@ -271,7 +324,8 @@ def measure_loss_normalisation(
         candidates.append(prior)
     cuts: list[_Cut] = []
     forwards = 0
-    for whole, part_a, part_b in _cuts_of(batches, take_rows, concat):
+    cut_batches = _cuts_of(batches, take_rows, concat)
+    for whole, part_a, part_b in cut_batches:
         values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
         forwards += 3
         counts = {}
@@ -308,10 +362,24 @@ def measure_loss_normalisation(
         finding.seconds = time.perf_counter() - start
         return finding
     consistent = [r for r in candidates if residuals[r] <= tolerance]
+    if consistent and grad_of is not None:
+        # Loss values can add up while gradients do not (a term whose values barely vary, such as a detection
+        # head's class term at initialisation): the first cut's gradients decide among the rules the values allow.
+        gradient_residuals = _gradient_residuals(grad_of, cut_batches[0], cuts[0], consistent, label_name)
+        if reduce_max is not None:
+            values = reduce_max([min(gradient_residuals[r], 1e30) for r in consistent])
+            gradient_residuals = dict(zip(consistent, values, strict=True))
+        finding.gradient_residuals = gradient_residuals
+        forwards += 3
+        finding.forwards = forwards
+        consistent = [r for r in consistent if gradient_residuals[r] <= tolerance]
     finding.consistent = consistent
     preference = [prior, *[r for r in (ROWS, LABEL_TOKENS, SHIFTED_LABEL_TOKENS, BOXES, SUM) if r != prior]]
     ordered = sorted(consistent, key=lambda r: preference.index(r) if r in preference else len(preference))
-    if not ordered:
+    if not ordered and _random_forward(loss_of, cut_batches[0][0], cuts[0].whole, tolerance, reduce_max):
+        finding.forwards += 1
+        finding.note = "the forward is random (the same batch twice gives different losses): the prior is kept"
+    elif not ordered:
         finding.rule, finding.decided_by = NONE, "values"
         best = min(residuals, key=lambda r: residuals[r])
         finding.note = (

@@ -1,0 +1,133 @@
+"""Models whose forward fixes their own loss normalisation train exactly with default arguments, or stop before their
+first optimizer step with the cause: the weighting is measured on the first window, never assumed.
+
+Each case: one SGD step of `GradAccumTrainer` at 4 x 3 against the stock Trainer's one batch of the same 12 rows
+(CPU fp32); exact means <= 1e-5 relative on the update."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from hf_gradaccum.adapters.model_losses import ModelLossError
+from hf_gradaccum.engine.loss_normalisation import measure_loss_normalisation
+from hf_gradaccum.verification.windows import concat_window, take_rows
+
+from .model_loss_cases import build, flat, one_step
+
+TOLERANCE = 1e-5
+
+EXACT = {
+    # case -> the weighting the first window must find
+    "bert_seq_cls": "label_tokens",
+    "llama_causal_lm": "shifted_label_tokens",
+    "wav2vec2_ctc_sum": "sum",
+    "wav2vec2_ctc_mean": "rows",
+    "bert_pretraining": "terms",
+    "clip_return_loss": "coupled",
+    "siglip_return_loss": "coupled",
+    "mixtral_router_loss": None,  # the MoE window mode (a causal LM)
+}
+REFUSED = {"resnet_batchnorm": "BatchNorm", "yolos_detection": "not a mean over any count"}
+
+
+def _update_error(name: str, tmp_path) -> tuple[float, dict]:
+    model, rows = build(name)
+    start = flat(model)
+    reference = copy.deepcopy(model)
+    one_step(reference, rows, str(tmp_path / "stock"), ours=False, micro=12, steps=1)
+    one_step(model, rows, str(tmp_path / "ours"), ours=True, micro=4, steps=3)
+    delta, delta_ref = flat(model) - start, flat(reference) - start
+    check = tmp_path / "ours" / "accumulation_check.json"
+    record = json.loads(check.read_text()) if check.exists() else {}
+    return float((delta - delta_ref).norm() / delta_ref.norm()), record
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_default_arguments_train_the_large_batch(name, tmp_path):
+    error, record = _update_error(name, tmp_path)
+    assert error <= TOLERANCE, f"{name}: update {error:.3g} from the large batch's"
+    if EXACT[name] is not None:
+        assert record["loss_normalisation"]["rule"] == EXACT[name], record
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_no_weighting_makes_exact_stops_before_the_first_step(name, tmp_path):
+    model, rows = build(name)
+    start = flat(model)
+    with pytest.raises(ModelLossError, match=REFUSED[name]) as caught:
+        one_step(model, rows, str(tmp_path / "ours"), ours=True, micro=4, steps=3)
+    assert type(model).__name__ in str(caught.value) and "Fix" in str(caught.value)
+    assert torch.equal(flat(model), start), "a refusal must leave the weights untouched"
+
+
+def test_batchnorm_per_micro_batch_when_named(tmp_path):
+    model, rows = build("resnet_batchnorm")
+    start = flat(model)
+    one_step(model, rows, str(tmp_path / "ours"), ours=True, micro=4, steps=3, batchnorm_statistics="micro_batch")
+    assert not torch.equal(flat(model), start)
+
+
+def test_a_named_weighting_is_not_measured(tmp_path):
+    model, rows = build("wav2vec2_ctc_mean")
+    one_step(model, rows, str(tmp_path / "ours"), ours=True, micro=4, steps=3, loss_normalisation="rows")
+    record = json.loads((tmp_path / "ours" / "accumulation_check.json").read_text())
+    assert record["loss_normalisation"]["decided_by"] == "declared"
+
+
+@pytest.mark.parametrize("value", ["mean", "tokens", ""])
+def test_bad_loss_normalisation_is_refused_by_name(value, tmp_path):
+    from hf_gradaccum import GradAccumArguments
+
+    with pytest.raises(ValueError, match="loss_normalisation"):
+        GradAccumArguments(str(tmp_path), loss_normalisation=value)
+    with pytest.raises(ValueError, match="batchnorm_statistics"):
+        GradAccumArguments(str(tmp_path), batchnorm_statistics=value)
+
+
+# ---------------------------------------------------------------------------------------------------- the measurement
+def _window(seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    window = []
+    for rows in (3, 1, 1, 4):
+        labels = torch.randint(0, 5, (rows, 6), generator=g)
+        labels[torch.rand(rows, 6, generator=g) < 0.4] = -100
+        window.append({"x": torch.randn(rows, 6, generator=g), "labels": labels})
+    return window
+
+
+def _token_losses(batch):
+    mask = batch["labels"].ne(-100)
+    return (batch["x"].exp() * mask).sum(), mask.sum(), len(batch["x"])
+
+
+LOSSES = {
+    "label_tokens": lambda b: float(_token_losses(b)[0] / _token_losses(b)[1]),
+    "rows": lambda b: float(_token_losses(b)[0] / _token_losses(b)[2]),
+    "sum": lambda b: float(_token_losses(b)[0]),
+    # a statistic of the batch: each row against the batch's mean
+    "none": lambda b: float(((b["x"] - b["x"].mean(0)) ** 2).sum() / len(b["x"])),
+}
+
+
+@pytest.mark.parametrize("truth", sorted(LOSSES))
+def test_measurement_finds_the_normalisation_from_values(truth):
+    finding = measure_loss_normalisation(
+        LOSSES[truth], _window(), take_rows=take_rows, concat=concat_window, prior="label_tokens"
+    )
+    assert finding.rule == truth, finding
+    assert finding.cuts == 3 and finding.forwards == 9  # two cuts of micro-batches, one of a pair of single rows
+    if truth != "none":
+        assert finding.residuals[truth] <= 1e-6
+    assert all(math.isfinite(v) or v == math.inf for v in finding.residuals.values())
+
+
+def test_measurement_keeps_the_prior_where_rules_weigh_alike():
+    # One label per row: rows and label tokens weigh every row alike, so the data cannot tell them apart.
+    window = [{"x": torch.randn(n, 3), "labels": torch.zeros(n, dtype=torch.long)} for n in (2, 3)]
+    finding = measure_loss_normalisation(
+        lambda b: float(b["x"].sum() / len(b["x"])), window, take_rows=take_rows, concat=concat_window, prior="rows"
+    )
+    assert finding.rule == "rows" and finding.decided_by == "prior" and "label_tokens" in finding.equivalent
