@@ -80,6 +80,7 @@ from .loss_handover import backward_through
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode
 from .parallelism import data_parallel_group
+from .run_batch import RunBatchMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
@@ -139,6 +140,9 @@ class GradAccumTrainer(Trainer):
     # What `_get_accumulator` and `_install_loss_handover` decided last (asked at every micro-batch).
     _accumulator_model: nn.Module | None = None
     _handover_decided: tuple[Any, GradientAccumulator | None] | None = None
+    # `effective_batch_size`: this class's `get_train_dataloader` builds the run's windows (`adapters/run_batch.py`).
+    _honours_run_batch = True
+    _run_batch: RunBatchMode | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -155,6 +159,7 @@ class GradAccumTrainer(Trainer):
         self.coupled_mode: CoupledWindowMode | None = None if coupled_loss is None else CoupledWindowMode(coupled_loss)
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
+        self._run_batch = RunBatchMode.for_trainer(self)
         if self.coupled_mode is not None and self.args.auto_find_batch_size:
             raise ValueError(
                 "`auto_find_batch_size=True` cannot be used with `coupled_loss`: the out-of-memory retry splits a "
@@ -239,6 +244,13 @@ class GradAccumTrainer(Trainer):
         from .sentence_transformers import route_sentence_transformers  # imports this module
 
         route_sentence_transformers(self)
+
+    def get_train_dataloader(self):
+        """The stock training loader; with `effective_batch_size`, one whose batch sampler lays out the run's windows
+        (`adapters/run_batch.py`)."""
+        if self._run_batch is None:
+            return super().get_train_dataloader()
+        return self._run_batch.train_dataloader()
 
     # ------------------------------------------------------------------ accumulator
     def _last_window_applied(self) -> bool:
@@ -818,6 +830,9 @@ class GradAccumTrainer(Trainer):
             path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
         state_file = os.path.join(path, ACCUMULATOR_STATE_NAME) if isinstance(path, str) else None
         self._resume_state_path = state_file if state_file and os.path.isfile(state_file) else None
+        if self._resume_state_path and self._run_batch is not None:
+            saved = torch.load(self._resume_state_path, weights_only=False).get("run_batch")
+            self._run_batch.check_resume(saved, path)
         if self._resume_state_path and self.accumulator is not None:
             self._load_accumulator_state(self.accumulator, self._resume_state_path)
         self._training = True
@@ -835,6 +850,7 @@ class GradAccumTrainer(Trainer):
                 "effective_batch_size": self._effective_batch_size(),
                 "micro_batch_size": self._train_batch_size,
                 "micro_batch_chunk_size": self.micro_batch_chunk_size,
+                "run_batch": None if self._run_batch is None else self._run_batch.state(),
             }
             # Under FSDP2 with sharded state dicts, `save_model` writes nothing itself (Accelerate's DCP files come
             # later, with the optimizer), so the directory may not exist yet.
@@ -851,6 +867,8 @@ class GradAccumTrainer(Trainer):
 
     def _effective_batch_size(self) -> int:
         args = self.args
+        if self._run_batch is not None:
+            return self._run_batch.effective_batch_size
         return effective_batch_size(
             args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
         )
