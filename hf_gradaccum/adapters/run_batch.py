@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -24,6 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..engine.run_batch import RunBatchLayout
 from ..engine.run_batch_sampler import RunBatchSampler
+from ..helpers.planning import halved_run_batch
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,15 @@ def resolve_run_batch_arguments(args: Any, world_size: int) -> RunBatchLayout | 
     args.gradient_accumulation_steps = steps
     args._run_batch_steps = steps
     return layout
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """After an out-of-memory error: rows per forward, forwards per window on the largest share, the run's batch."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    effective_batch_size: int
 
 
 class RunBatchMode:
@@ -198,6 +210,14 @@ class RunBatchMode:
             layout.micro_batch_size,
         )
         return trainer.accelerator.prepare(DataLoader(dataset, **params))
+
+    def halved(self, chunk_size: int) -> ChunkPlan:
+        """The out-of-memory retry's plan: rows per forward halved from `chunk_size`; the windows and their
+        micro-batches stay (each micro-batch runs in chunks)."""
+        layout = self.layout()
+        chunk = halved_run_batch(RunBatchLayout(self.effective_batch_size, chunk_size, layout.world_size))
+        largest = layout.shares(self.effective_batch_size)[0]
+        return ChunkPlan(chunk, math.ceil(largest / chunk), self.effective_batch_size)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any] | None:

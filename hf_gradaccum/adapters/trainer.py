@@ -754,8 +754,11 @@ class GradAccumTrainer(Trainer):
     def _shrink_chunk(self, current: int) -> int:
         """Halve the micro-batch as [`AccumulationPlan.halved`] does (keeps the effective batch exactly)."""
         micro = self.oom_retry.chunk_size or self._train_batch_size
-        steps = self.args.gradient_accumulation_steps * max(1, self._train_batch_size // micro)
-        plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
+        if self._run_batch is not None:
+            plan = self._run_batch.halved(micro)
+        else:
+            steps = self.args.gradient_accumulation_steps * max(1, self._train_batch_size // micro)
+            plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
         self.accumulation_plan = plan
         logger.warning(
             "Out of memory: micro-batch now %d x %d accumulation steps (effective batch %d unchanged); redoing "

@@ -120,3 +120,31 @@ def window_rows(dataset_length: int, effective_batch_size: int, drop_last: bool 
     """
     full, rest = divmod(dataset_length, effective_batch_size)
     return [effective_batch_size] * full + ([rest] if rest and not drop_last else [])
+
+
+def run_batch_accumulation_steps(
+    effective_batch_size: int, micro_batch_size: int | None, world_size: int, gradient_accumulation_steps: int = 1
+) -> int:
+    """
+    Micro-batches per window for a run's batch on `world_size` processes; an explicit `gradient_accumulation_steps`
+    other than 1 (the default) must agree, else a `ValueError` names both.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.engine.run_batch import run_batch_accumulation_steps
+    >>> run_batch_accumulation_steps(10, micro_batch_size=2, world_size=4)  # 3+3+2+2 rows, 2 micro-batches each
+    2
+    ```
+    """
+    if micro_batch_size is None:
+        raise ValueError("`effective_batch_size` needs `micro_batch_size`: the largest micro-batch a process runs.")
+    layout = RunBatchLayout(effective_batch_size, micro_batch_size, world_size)
+    steps = layout.gradient_accumulation_steps
+    if gradient_accumulation_steps not in (1, steps):
+        raise ValueError(
+            f"`gradient_accumulation_steps={gradient_accumulation_steps}` does not match `effective_batch_size="
+            f"{effective_batch_size}` in micro-batches of at most {micro_batch_size} on {world_size} process(es), "
+            f"which need {steps} per window (shares {layout.describe(effective_batch_size)}). Leave it unset."
+        )
+    return steps
