@@ -6,6 +6,7 @@ is measured beside ours. Workers: tests/workers/run_batch_cases.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from tests.multiprocess import launch, run_script
 from tests.ordering import HAS_SAMPLING_STRATEGY
+from tests.torch_features import needs_fsdp2_torch
 from tests.workers.run_batch_cases import full_state, initial_model_and_data, our_run, relative_error, stock_run
 
 pytestmark = pytest.mark.skipif(not HAS_SAMPLING_STRATEGY, reason="needs TrainingArguments(train_sampling_strategy=)")
@@ -90,3 +92,27 @@ def test_every_layout_is_the_one_process_run_and_resumes_across_layouts(tmp_path
     stock_errors = _errors(tmp_path, references, 2, ["stock_sequential_5_1", "stock_random_5_1"])
     stock_errors |= _errors(tmp_path, references, 1, ["stock_sequential_5_2"])
     assert all(error > 1e-3 for error in stock_errors.values()), stock_errors
+
+
+def _engine_case(tmp_path, references, engine: str, env: dict[str, str] | None = None, timeout: int = 300) -> None:
+    launch(str(tmp_path), f"ours:sequential:2:engine={engine}", script=SCRIPT, num_processes=3, env=env,
+           timeout=timeout)  # fmt: skip
+    record = json.loads((tmp_path / "ours_sequential_2_engine_w3.json").read_text())
+    assert record["engine"] == ("fsdp" if engine == "fsdp2" else "deepspeed") and record["layout"] == "10 = 4+3+3"
+    errors = _errors(tmp_path, references, 3, ["ours_sequential_2_engine"])
+    assert all(error <= RTOL for error in errors.values()), errors
+
+
+@needs_fsdp2_torch
+@pytest.mark.slow
+def test_fsdp2_three_processes_uneven_split(tmp_path, references):
+    """Accelerate's FSDP2 plugin (`fully_shard` on gloo): one reduce-scatter per micro-batch, so every rank must run
+    the same micro-batches; 4+3+3 rows."""
+    _engine_case(tmp_path, references, "fsdp2")
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_zero2_three_processes_uneven_split(tmp_path, references):
+    """DeepSpeed ZeRO-2 (`DS_ACCELERATOR=cpu`; the first launch compiles DeepSpeed's CPU ops): 4+3+3 rows."""
+    _engine_case(tmp_path, references, "zero2", env={"DS_ACCELERATOR": "cpu"}, timeout=900)

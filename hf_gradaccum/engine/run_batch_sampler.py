@@ -47,7 +47,7 @@ class RunBatchSampler(Sampler[list[int]]):
     Example:
 
     ```python
-    >>> from hf_gradaccum.engine.run_batch_sampler import RunBatchSampler
+    >>> from hf_gradaccum import RunBatchSampler
     >>> sampler = RunBatchSampler(20, effective_batch_size=10, micro_batch_size=2, world_size=3, rank=2, shuffle=False)
     >>> list(sampler)  # rank 2's share of each window: rows 7-9, then 17-19
     [[7, 8], [9], [17, 18], [19]]

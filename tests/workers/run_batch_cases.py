@@ -131,6 +131,7 @@ def run_job(out_dir: str, job: str) -> None:
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "layout": layout.describe(BATCH),
             "last_window": layout.describe(ROWS % BATCH),
+            "engine": "fsdp" if trainer.is_fsdp_enabled else "deepspeed" if trainer.is_deepspeed_enabled else "ddp",
             "steps_run": next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepCounter)).steps,
         }
     state = full_state(trainer)
