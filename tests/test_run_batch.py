@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import DataLoader
-from transformers import TrainingArguments, default_data_collator
+from transformers import BertForSequenceClassification, TrainingArguments, default_data_collator
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator
 from hf_gradaccum.adapters.run_batch import resolve_run_batch_arguments
@@ -19,7 +19,7 @@ from hf_gradaccum.engine.run_batch import RunBatchLayout
 from hf_gradaccum.engine.run_batch_sampler import RunBatchSampler
 from hf_gradaccum.helpers.planning import plan_accumulation
 from tests.ordering import HAS_SAMPLING_STRATEGY
-from tests.parity_cases import CASES, relative_update_error
+from tests.parity_cases import CASES, relative_update_error, seq_cls_data, tiny_bert_config
 from tests.workers.run_batch_cases import initial_model_and_data, our_run, run_settings
 
 CASE = {c.name: c for c in CASES}["bert_token_cls"]
@@ -264,3 +264,32 @@ def test_accumulator_refuses_inconsistent_accumulation_steps():
 def test_stock_arguments_without_the_field_are_unchanged(tmp_path):
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, use_cpu=True)
     assert resolve_run_batch_arguments(args, world_size=3) is None and args.gradient_accumulation_steps == 2
+
+
+# ---------------------------------------------------------------------------------------------------- out of memory
+@needs_sampling_strategy
+def test_out_of_memory_retry_keeps_the_runs_windows(tmp_path):
+    """`auto_find_batch_size=True` with `effective_batch_size=12`: micro-batches of 6 (8 allowed) run out of memory
+    half-way through a backward above 4 rows; the retry runs them in chunks of 4 and the run still ends at the
+    large batch's weights, with its number of steps."""
+    from tests.test_oom import MemoryLimitedBert, _args
+
+    torch.manual_seed(0)
+    config = tiny_bert_config(num_labels=3)
+    limited = MemoryLimitedBert(config)
+    limited.where, limited.max_rows = "backward", 4
+    initial = copy.deepcopy(limited)
+    data = seq_cls_data(36, torch.Generator().manual_seed(1))
+    args = _args(tmp_path / "oom", 8, 1, auto_find_batch_size=True)
+    args.effective_batch_size = 12
+    resolve_run_batch_arguments(args, world_size=1)
+    trainer = GradAccumTrainer(model=limited, args=args, train_dataset=data)
+    trainer.train()
+    plan = trainer.accumulation_plan
+    assert (plan.micro_batch_size, plan.effective_batch_size, limited.large_calls > 1) == (4, 12, True)
+    reference = BertForSequenceClassification(config)
+    reference.load_state_dict(initial.state_dict())
+    reference = GradAccumTrainer(model=reference, args=_args(tmp_path / "ref", 12, 1), train_dataset=data)
+    reference.train()
+    assert trainer.state.global_step == reference.state.global_step == 3
+    assert relative_update_error(initial, trainer.model, reference.model) <= 1e-5
