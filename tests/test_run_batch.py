@@ -293,3 +293,16 @@ def test_out_of_memory_retry_keeps_the_runs_windows(tmp_path):
     reference.train()
     assert trainer.state.global_step == reference.state.global_step == 3
     assert relative_update_error(initial, trainer.model, reference.model) <= 1e-5
+
+
+@needs_sampling_strategy
+def test_random_order_follows_the_stock_permutation_in_every_epoch(tmp_path):
+    """Two epochs in random order, micro-batch 3 (4 per window) against the stock Trainer's one-process run of the
+    batch of 10: each epoch's permutation is drawn from `seed + epoch`, as the stock Trainer's."""
+    from tests.workers.run_batch_cases import full_state, relative_error, stock_run
+
+    initial, _ = initial_model_and_data()
+    reference = stock_run(str(tmp_path / "stock"), "random", num_train_epochs=2)
+    ours = our_run(str(tmp_path / "ours"), "random", micro=3, num_train_epochs=2)
+    assert ours.state.global_step == reference.state.global_step == 8
+    assert relative_error(full_state(ours), full_state(reference), initial) <= 1e-5

@@ -23,6 +23,8 @@ differences). Public methods overridden:
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
   the MoE window mode (the model's router term replaced by the window's exact one);
 - `_clip_grad_norm` / `_get_grad_norm` (private, guarded): end a window left to the clipping;
+- `get_train_dataloader`: with `effective_batch_size`, the stock loader on a batch sampler of the run's windows
+  (`adapters/run_batch.py`); the stock one otherwise;
 - `log`: add the accumulator's counters (`accumulator/*` keys);
 - `train` / `save_model`: the accumulator's state (loss scale, counters) in every checkpoint and back on resume.
 

@@ -62,11 +62,13 @@ def run_settings(output_dir: str, order: str, **overrides) -> dict:
     return {**settings, **overrides}
 
 
-def stock_run(output_dir: str, order: str, micro: int = BATCH, steps: int = 1) -> Trainer:
+def stock_run(output_dir: str, order: str, micro: int = BATCH, steps: int = 1, **overrides) -> Trainer:
     """The stock `Trainer` with `micro x steps` per process (the reference: one process, micro-batch 10)."""
     model, data = initial_model_and_data()
     args = TrainingArguments(
-        **run_settings(output_dir, order, per_device_train_batch_size=micro, gradient_accumulation_steps=steps)
+        **run_settings(
+            output_dir, order, per_device_train_batch_size=micro, gradient_accumulation_steps=steps, **overrides
+        )
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
@@ -84,12 +86,18 @@ class StepCounter(TrainerCallback):
 
 
 def our_run(
-    output_dir: str, order: str, micro: int, resume: str | None = None, save: bool = False, engine: str | None = None
+    output_dir: str,
+    order: str,
+    micro: int,
+    resume: str | None = None,
+    save: bool = False,
+    engine: str | None = None,
+    **overrides,
 ) -> GradAccumTrainer:
     """`GradAccumTrainer` with `effective_batch_size=10` and micro-batches of at most `micro` on this launch's
     processes; `save`: a checkpoint every 2 steps; `resume`: continue from that checkpoint."""
     model, data = initial_model_and_data()
-    extra = {"save_strategy": "steps", "save_steps": SAVE_STEPS} if save else {}
+    extra = {"save_strategy": "steps", "save_steps": SAVE_STEPS, **overrides} if save else dict(overrides)
     if engine == "zero2":
         extra["deepspeed"] = "configs/deepspeed/zero2.json"
     args = GradAccumArguments(
