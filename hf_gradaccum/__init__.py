@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "count_items_in_batch": ".engine.items",
     "count_items_in_batches": ".engine.items",
     "WindowOOMRetry": ".engine.oom_retry",
+    "RunBatchSampler": ".engine.run_batch_sampler",
     # transformers
     "GradAccumTrainer": ".adapters.trainer",
     "GradAccumArguments": ".adapters.arguments",
@@ -72,6 +73,7 @@ __all__ = [
     "GradAccumFields",
     "GradAccumTrainer",
     "GradientAccumulator",
+    "RunBatchSampler",
     "SplitInvarianceResult",
     "WindowOOMRetry",
     "WindowResult",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .engine.items import count_items_in_batch, count_items_in_batches
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.oom_retry import WindowOOMRetry
+    from .engine.run_batch_sampler import RunBatchSampler
     from .engine.window import WindowResult
     from .helpers.lr_scaling import scale_learning_rate
     from .helpers.normalization import (

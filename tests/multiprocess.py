@@ -22,10 +22,13 @@ def launch(
     timeout: int = 300,
     config: str = "configs/accelerate/cpu_2proc.yaml",
     env: dict[str, str] | None = None,
+    num_processes: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file config script *args` from the repository root, with `env` added to this
-    process's environment; fail with its output unless it exits 0."""
+    process's environment (and `--num_processes` when given); fail with its output unless it exits 0."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    if num_processes is not None:
+        cmd += ["--num_processes", str(num_processes)]
     cmd += ["--main_process_port", str(free_port()), script, *args]
     full_env = None if env is None else {**os.environ, **env}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -18,6 +18,7 @@ from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule
 from .model_losses import BATCHNORM_MODES, check_batchnorm_mode
+from .run_batch import check_effective_batch_size, resolve_run_batch_arguments
 from .training_checks import validate_training_numbers
 
 VERIFY_MODES = ("off", "first_step", "every_n_steps")
@@ -201,6 +202,17 @@ class GradAccumFields:
         },
     )
 
+    effective_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows per optimizer step over all processes (the paper's batch). With it, "
+            "`per_device_train_batch_size` is the micro-batch that fits and `gradient_accumulation_steps` is derived; "
+            "each window's rows are split as evenly as possible over any number of processes (10 on 3: 4+3+3), in "
+            "the run's order (`train_sampling_strategy` 'random' or 'sequential'), and a checkpoint resumes on "
+            "another number of processes or micro-batch with the same windows (docs/run_batch.md)."
+        },
+    )
+
     take_back_skipped_steps: bool = field(
         default=False,
         metadata={
@@ -232,7 +244,11 @@ class GradAccumFields:
             # use the CPU, so every rank would silently train on the whole dataset alone.
             logger.info("Multi-process launch without an accelerator: data parallel on CPU (gloo), use_cpu=True.")
             self.use_cpu = True
+        # Derived before the parent's checks, which hand `gradient_accumulation_steps` to a DeepSpeed config's
+        # "auto" values; checked again once the parent has set up the processes.
+        resolve_run_batch_arguments(self, int(os.environ.get("WORLD_SIZE", "1")))
         super().__post_init__()
+        resolve_run_batch_arguments(self, self.world_size)
 
 
 @dataclass
@@ -286,6 +302,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         gradaccum_option(args, "loss_scale_growth_interval"),
     )
     check_lr_scaling_rule(gradaccum_option(args, "lr_scaling_rule"), gradaccum_option(args, "reference_batch_size"))
+    check_effective_batch_size(gradaccum_option(args, "effective_batch_size"))
     shifted = gradaccum_option(args, "count_shifted_labels")
     if shifted is not None and not isinstance(shifted, bool):
         raise ValueError(f"`count_shifted_labels` must be None, True or False, got {shifted!r}.")

@@ -23,6 +23,8 @@ differences). Public methods overridden:
 - `compute_loss`: the parents' own, except in the coupled-loss mode (the micro-batch's share of the window loss) and
   the MoE window mode (the model's router term replaced by the window's exact one);
 - `_clip_grad_norm` / `_get_grad_norm` (private, guarded): end a window left to the clipping;
+- `get_train_dataloader`: with `effective_batch_size`, the stock loader on a batch sampler of the run's windows
+  (`adapters/run_batch.py`); the stock one otherwise;
 - `log`: add the accumulator's counters (`accumulator/*` keys);
 - `train` / `save_model`: the accumulator's state (loss scale, counters) in every checkpoint and back on resume.
 
@@ -81,6 +83,7 @@ from .loss_rule import TrainerLossRule
 from .model_inspection import loss_shifts_labels
 from .moe import MoEWindowMode, adds_router_loss
 from .parallelism import data_parallel_group
+from .run_batch import RunBatchMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
@@ -140,6 +143,9 @@ class GradAccumTrainer(Trainer):
     # What `_get_accumulator` and `_install_loss_handover` decided last (asked at every micro-batch).
     _accumulator_model: nn.Module | None = None
     _handover_decided: tuple[Any, GradientAccumulator | None] | None = None
+    # `effective_batch_size`: this class's `get_train_dataloader` builds the run's windows (`adapters/run_batch.py`).
+    _honours_run_batch = True
+    _run_batch: RunBatchMode | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -156,6 +162,7 @@ class GradAccumTrainer(Trainer):
         self.coupled_mode: CoupledWindowMode | None = None if coupled_loss is None else CoupledWindowMode(coupled_loss)
         super().__init__(*args, **kwargs)
         validate_gradaccum_fields(self.args)
+        self._run_batch = RunBatchMode.for_trainer(self)
         if self.coupled_mode is not None and self.args.auto_find_batch_size:
             raise ValueError(
                 "`auto_find_batch_size=True` cannot be used with `coupled_loss`: the out-of-memory retry splits a "
@@ -256,6 +263,13 @@ class GradAccumTrainer(Trainer):
         from .sentence_transformers import route_sentence_transformers  # imports this module
 
         route_sentence_transformers(self)
+
+    def get_train_dataloader(self):
+        """The stock training loader; with `effective_batch_size`, one whose batch sampler lays out the run's windows
+        (`adapters/run_batch.py`)."""
+        if self._run_batch is None:
+            return super().get_train_dataloader()
+        return self._run_batch.train_dataloader()
 
     # ------------------------------------------------------------------ accumulator
     def _last_window_applied(self) -> bool:
@@ -778,8 +792,11 @@ class GradAccumTrainer(Trainer):
     def _shrink_chunk(self, current: int) -> int:
         """Halve the micro-batch as [`AccumulationPlan.halved`] does (keeps the effective batch exactly)."""
         micro = self.oom_retry.chunk_size or self._train_batch_size
-        steps = self.args.gradient_accumulation_steps * max(1, self._train_batch_size // micro)
-        plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
+        if self._run_batch is not None:
+            plan = self._run_batch.halved(micro)
+        else:
+            steps = self.args.gradient_accumulation_steps * max(1, self._train_batch_size // micro)
+            plan = AccumulationPlan(micro, steps, self.args.world_size, micro * steps * self.args.world_size).halved()
         self.accumulation_plan = plan
         logger.warning(
             "Out of memory: micro-batch now %d x %d accumulation steps (effective batch %d unchanged); redoing "
@@ -854,6 +871,9 @@ class GradAccumTrainer(Trainer):
             path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
         state_file = os.path.join(path, ACCUMULATOR_STATE_NAME) if isinstance(path, str) else None
         self._resume_state_path = state_file if state_file and os.path.isfile(state_file) else None
+        if self._resume_state_path and self._run_batch is not None:
+            saved = torch.load(self._resume_state_path, weights_only=False).get("run_batch")
+            self._run_batch.check_resume(saved, path)
         if self._resume_state_path and self.accumulator is not None:
             self._load_accumulator_state(self.accumulator, self._resume_state_path)
         self._training = True
@@ -871,6 +891,7 @@ class GradAccumTrainer(Trainer):
                 "effective_batch_size": self._effective_batch_size(),
                 "micro_batch_size": self._train_batch_size,
                 "micro_batch_chunk_size": self.micro_batch_chunk_size,
+                "run_batch": None if self._run_batch is None else self._run_batch.state(),
             }
             # Under FSDP2 with sharded state dicts, `save_model` writes nothing itself (Accelerate's DCP files come
             # later, with the optimizer), so the directory may not exist yet.
@@ -887,6 +908,8 @@ class GradAccumTrainer(Trainer):
 
     def _effective_batch_size(self) -> int:
         args = self.args
+        if self._run_batch is not None:
+            return self._run_batch.effective_batch_size
         return effective_batch_size(
             args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
         )

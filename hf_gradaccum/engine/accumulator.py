@@ -37,6 +37,7 @@ from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
+from .run_batch import run_batch_accumulation_steps
 from .tensor_parallel import data_parallel_reduction
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
@@ -99,6 +100,12 @@ class GradientAccumulator:
             none of the above; a `ValueError` says why otherwise); `"auto"` takes `"in_place"` where it applies.
             Both give the same update. On the in-place path every loss must pass through the accumulator
             ([`backward`], [`accumulate_micro_batch`] or [`loss_to_backward`]); see `engine/in_place.py`.
+        effective_batch_size (`int`, *optional*):
+            The run's batch, rows per window over all ranks: `gradient_accumulation_steps` is derived from it,
+            `micro_batch_size` and the number of ranks, for a loader built on a [`RunBatchSampler`] with the same
+            values (any batch on any number of processes; docs/run_batch.md).
+        micro_batch_size (`int`, *optional*):
+            With `effective_batch_size`: the largest micro-batch a rank runs.
 
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
@@ -139,7 +146,14 @@ class GradientAccumulator:
         offload_accumulation_buffer: bool = False,
         data_parallel_group: torch.distributed.ProcessGroup | None = None,
         accumulation_path: str = "auto",
+        effective_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
+        if effective_batch_size is not None:
+            world_size = world_size_and_rank(reduce_gradients, data_parallel_group)[0]
+            gradient_accumulation_steps = run_batch_accumulation_steps(
+                effective_batch_size, micro_batch_size, world_size, gradient_accumulation_steps
+            )
         self.gradient_accumulation_steps = validate_accumulation_steps(gradient_accumulation_steps)
         self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
         if overflow_policy not in OVERFLOW_POLICIES:

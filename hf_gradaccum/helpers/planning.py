@@ -12,6 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..engine.run_batch import RunBatchLayout
 from ..engine.validation import check_positive_int
 from .lr_scaling import effective_batch_size as _effective_batch_size
 
@@ -136,7 +137,9 @@ def plan_accumulation(
         lower = target_batch_size // world_size * world_size
         raise ValueError(
             f"`target_batch_size={target_batch_size}` must be divisible by `world_size={world_size}` for an exact "
-            f"split; the nearest valid targets are {', '.join(map(str, filter(None, (lower, lower + world_size))))}."
+            f"split; the nearest valid targets are {', '.join(map(str, filter(None, (lower, lower + world_size))))}. "
+            f"Or keep the batch: `effective_batch_size={target_batch_size}` splits each window unevenly over the "
+            "processes, exactly (docs/run_batch.md)."
         )
     per_process = target_batch_size // world_size
     if max_micro_batch_size is not None:
@@ -168,3 +171,30 @@ def plan_accumulation(
                 max_micro_batch_size,
             )
     return AccumulationPlan(micro, per_process // micro, world_size, target_batch_size)
+
+
+def halved_run_batch(layout: RunBatchLayout) -> int:
+    """
+    The out-of-memory retry's rows per forward for a run's batch (`effective_batch_size`): the micro-batch halved
+    (rounded down). Each micro-batch of the layout is then run in chunks of that size; the windows and the number of
+    micro-batches per window stay, so any size is exact (each chunk is weighted by its own items).
+
+    Raises:
+        [`CannotShrinkMicroBatchError`]: the micro-batch is already 1.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum.engine.run_batch import RunBatchLayout
+    >>> from hf_gradaccum.helpers.planning import halved_run_batch
+    >>> halved_run_batch(RunBatchLayout(10, micro_batch_size=5, world_size=3))
+    2
+    ```
+    """
+    if layout.micro_batch_size == 1:
+        raise CannotShrinkMicroBatchError(
+            f"Cannot shrink the micro-batch below 1 sample (effective batch size {layout.effective_batch_size} on "
+            f"{layout.world_size} processes): one sample does not fit in memory. Reduce the sequence length or image "
+            "size, or use gradient checkpointing, a smaller model, lower precision or more devices."
+        )
+    return layout.micro_batch_size // 2
