@@ -11,8 +11,10 @@ declaration and is never second-guessed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +33,7 @@ from ..engine.loss_normalisation import (
     batch_count,
     measure_loss_normalisation,
 )
+from ..engine.oom_retry import is_out_of_memory, release_cached_memory
 from ..verification import verify_split_invariance
 from ..verification.isolation import isolated_probe
 from ..verification.split_invariance import tolerance_for
@@ -60,6 +63,35 @@ def _reduce_max(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+class _OutOfMemory(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _undecided_on_out_of_memory(prior: str):
+    """A forward of the probe out of memory (training's own retry chunks micro-batches; the probe does not): the
+    measurement gives up, and the trainer's own count is kept, said so."""
+    finding = NormalisationFinding(rule=prior, decided_by="undecided", note="the probe ran out of memory")
+    try:
+        yield finding
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        release_cached_memory()
+        raise _OutOfMemory(finding) from error
+
+
+def _gradient_norm(params: list[torch.Tensor]) -> float:
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+def _engine_owns_gradients(trainer: Any) -> bool:
+    from .sharding import trainer_shards_gradients
+
+    return trainer._deepspeed_window is not None or trainer_shards_gradients(trainer)
 
 
 class TrainerLossRule:
@@ -131,7 +163,11 @@ class TrainerLossRule:
             self.rule = named
             self.finding = NormalisationFinding(rule=named, decided_by="declared", note="named in the arguments")
         else:
-            self.finding = self._measure(trainer, batches)
+            try:
+                self.finding = self._measure(trainer, batches)
+            except _OutOfMemory as stopped:
+                self.finding = stopped.args[0]
+                logger.warning("GradAccumTrainer: %s; counting as %s.", self.finding.note, self.finding.rule)
             self.rule = self.finding.rule
         if self.rule == NONE:
             self.rule = None
@@ -204,21 +240,37 @@ class TrainerLossRule:
 
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def grad_of(batch: Mapping[str, Any]) -> torch.Tensor:
-            with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(model, dict(batch))
-            grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
-            return torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(p)).flatten().float()
-                    for g, p in zip(grads, params, strict=True)
-                ]
-            )
+        def gradient_residual(terms: list[tuple[Mapping[str, Any], float]]) -> float:
+            # One graph at a time, accumulated in `.grad` (empty before a window's first backward): no more memory
+            # than a training micro-step. The window's own gradients are put back untouched.
+            saved = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                whole_norm = 0.0
+                for index, (batch, weight) in enumerate(terms):
+                    with trainer.compute_loss_context_manager():
+                        loss = trainer.compute_loss(model, dict(batch))
+                    if weight:
+                        (loss.float() * weight).backward()
+                    if index == 0:
+                        whole_norm = _gradient_norm(params)
+                return _gradient_norm(params) / max(whole_norm, 1e-30)
+            except Exception as error:
+                # A micro-batch's backward at the memory limit: the out-of-memory retry chunks training's, not this
+                # probe's. The loss values decide alone then.
+                if not is_out_of_memory(error):
+                    raise
+                release_cached_memory()
+                return math.nan
+            finally:
+                for p, grad in zip(params, saved, strict=True):
+                    p.grad = grad
 
         dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if dtype is None:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        with isolated_probe(model):
+        with isolated_probe(model), _undecided_on_out_of_memory(prior):
             return measure_loss_normalisation(
                 loss_of,
                 prepared,
@@ -229,7 +281,9 @@ class TrainerLossRule:
                 label_name=label_name,
                 confirm=confirm,
                 reduce_max=_reduce_max,
-                grad_of=grad_of,
+                # Sharded engines own the gradients (their backward reduce-scatters into buffers of theirs): the
+                # loss values decide alone there.
+                gradient_residual=None if _engine_owns_gradients(trainer) else gradient_residual,
             )
 
     def _no_weighting(self, trainer: Any, batches: list[Any]) -> None:

@@ -168,7 +168,8 @@ class NormalisationFinding:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["residuals"] = {k: (v if math.isfinite(v) else None) for k, v in self.residuals.items()}
+        for name in ("residuals", "gradient_residuals"):  # JSON has no inf or NaN
+            out[name] = {k: (v if math.isfinite(v) else None) for k, v in getattr(self, name).items()}
         return out
 
     def summary(self) -> str:
@@ -224,39 +225,45 @@ def _predicted(rule: str, cut: _Cut) -> float | None:
     return ((ca * la if ca else 0.0) + (cb * lb if cb else 0.0)) / (ca + cb)
 
 
+GradientResidual = Callable[[Sequence[tuple[Mapping[str, Any], float]]], float]
+
+
 def _gradient_residuals(
-    grad_of: Callable[[Mapping[str, Any]], torch.Tensor],
-    batches: tuple[Any, Any, Any],
-    cut: _Cut,
-    rules: Sequence[str],
-    label_name: str,
+    gradient_residual: GradientResidual, batches: tuple[Any, Any, Any], cut: _Cut | None, rules: Sequence[str]
 ) -> dict[str, float]:
+    """For each rule, `||grad L(whole) - (w_a grad L(a) + w_b grad L(b))|| / ||grad L(whole)||` on one cut. Without a
+    cut (`cut=None`: this rank has none) the same passes run on `batches` with nothing measured, so that every rank
+    joins the same collectives."""
     whole, part_a, part_b = batches
-    g_a, g_b = grad_of(part_a), grad_of(part_b)
-    g_whole = grad_of(whole)
-    scale = max(float(g_whole.norm()), 1e-30)
     out = {}
     for rule in rules:
+        if cut is None:
+            gradient_residual([(whole, 1.0), (part_a, -1.0), (part_b, 0.0)])
+            out[rule] = 0.0
+            continue
         if rule == SUM:
-            predicted = g_a + g_b
+            wa, wb = 1.0, 1.0
         else:
             ca, cb = cut.counts[rule]
-            predicted = ((g_a * ca if ca else 0.0) + (g_b * cb if cb else 0.0)) / (ca + cb)
-        out[rule] = float((g_whole - predicted).norm()) / scale
+            wa, wb = ca / (ca + cb), cb / (ca + cb)
+        out[rule] = gradient_residual([(whole, 1.0), (part_a, -wa), (part_b, -wb)])
     return out
 
 
 def _random_forward(
     loss_of: Callable[[Mapping[str, Any]], float],
     batch: Mapping[str, Any],
-    first: float,
+    first: float | None,
     tolerance: float,
     reduce_max: Callable[[list[float]], list[float]] | None,
 ) -> bool:
     """Whether `batch`'s loss computed again differs from `first` beyond `tolerance` (on any rank): randomness the
     probe could not switch off, which no weighting explains and which must never read as a coupled batch."""
     again = float(loss_of(batch))
-    difference = abs(again - first) / max(abs(first), 1e-12) if math.isfinite(again) else math.inf
+    if first is None:  # no cut on this rank: it joins the other ranks' verdict
+        difference = 0.0
+    else:
+        difference = abs(again - first) / max(abs(first), 1e-12) if math.isfinite(again) else math.inf
     if reduce_max is not None:
         difference = reduce_max([min(difference, 1e30)])[0]
     return difference > tolerance
@@ -283,7 +290,7 @@ def measure_loss_normalisation(
     label_name: str = "labels",
     confirm: Callable[[str], bool | None] | None = None,
     reduce_max: Callable[[list[float]], list[float]] | None = None,
-    grad_of: Callable[[Mapping[str, Any]], torch.Tensor] | None = None,
+    gradient_residual: GradientResidual | None = None,
 ) -> NormalisationFinding:
     """
     Find how the loss computed by `loss_of(batch)` (a float: the loss of one batch, no gradient needed) is normalised,
@@ -301,8 +308,9 @@ def measure_loss_normalisation(
             only when the values single out no weighting among rules that weigh differently.
         reduce_max: under several processes, the element-wise maximum over ranks of a list of floats, so every rank
             reaches the same verdict.
-        grad_of: `grad_of(batch)`: the flat gradient of the loss of `batch`. Where given, the first cut's gradients
-            (one forward and backward of a micro-batch and of its two parts) must add up under the rule too.
+        gradient_residual: `gradient_residual([(batch, weight), ...])`: `||sum_i weight_i grad L(batch_i)||` relative
+            to the first batch's gradient norm. Where given, the first cut's gradients (a forward and backward of a
+            micro-batch and of its two parts, per rule the values allow) must add up under the rule too.
 
     Example:
 
@@ -335,6 +343,12 @@ def measure_loss_normalisation(
             got = [batch_count(rule, b, label_name=label_name) for b in (part_a, part_b)]
             counts[rule] = tuple(float(c) if c is not None else math.nan for c in got)
         cuts.append(_Cut(values[0], (values[1], values[2]), counts))
+    if reduce_max is not None and batches:
+        # Every rank runs as many forwards (sharded engines gather parameters in each, a collective): a rank with
+        # fewer cuts runs its first micro-batch instead, and discards the values.
+        for _ in range(len(cut_batches), int(reduce_max([float(len(cut_batches))])[0])):
+            for _ in range(3):
+                loss_of(batches[0])
     residuals: dict[str, float] = {}
     for rule in candidates:
         worst = 0.0
@@ -362,21 +376,26 @@ def measure_loss_normalisation(
         finding.seconds = time.perf_counter() - start
         return finding
     consistent = [r for r in candidates if residuals[r] <= tolerance]
-    if consistent and grad_of is not None:
+    if consistent and gradient_residual is not None:
         # Loss values can add up while gradients do not (a term whose values barely vary, such as a detection
         # head's class term at initialisation): the first cut's gradients decide among the rules the values allow.
-        gradient_residuals = _gradient_residuals(grad_of, cut_batches[0], cuts[0], consistent, label_name)
+        if cut_batches:
+            gradient_residuals = _gradient_residuals(gradient_residual, cut_batches[0], cuts[0], consistent)
+        else:
+            gradient_residuals = _gradient_residuals(gradient_residual, (batches[0],) * 3, None, consistent)
         if reduce_max is not None:
-            values = reduce_max([min(gradient_residuals[r], 1e30) for r in consistent])
-            gradient_residuals = dict(zip(consistent, values, strict=True))
+            # NaN (out of memory on a rank) is carried as -1: unmeasured, the values decide alone.
+            values = reduce_max([-1.0 if math.isnan(v) else min(v, 1e30) for v in gradient_residuals.values()])
+            gradient_residuals = {r: (math.nan if v < 0 else v) for r, v in zip(consistent, values, strict=True)}
         finding.gradient_residuals = gradient_residuals
-        forwards += 3
+        forwards += 3 * len(consistent)
         finding.forwards = forwards
-        consistent = [r for r in consistent if gradient_residuals[r] <= tolerance]
+        consistent = [r for r in consistent if not gradient_residuals[r] > tolerance]
     finding.consistent = consistent
     preference = [prior, *[r for r in (ROWS, LABEL_TOKENS, SHIFTED_LABEL_TOKENS, BOXES, SUM) if r != prior]]
     ordered = sorted(consistent, key=lambda r: preference.index(r) if r in preference else len(preference))
-    if not ordered and _random_forward(loss_of, cut_batches[0][0], cuts[0].whole, tolerance, reduce_max):
+    repeat = (cut_batches[0][0], cuts[0].whole) if cut_batches else (batches[0], None)
+    if not ordered and _random_forward(loss_of, *repeat, tolerance, reduce_max):
         finding.forwards += 1
         finding.note = "the forward is random (the same batch twice gives different losses): the prior is kept"
     elif not ordered:
