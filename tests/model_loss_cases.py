@@ -99,7 +99,7 @@ def _wav2vec2(reduction: str) -> Wav2Vec2ForCTC:
                             intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 5), conv_kernel=(10, 5),
                             num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, ctc_loss_reduction=reduction,
                             hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
-                            layerdrop=0.0, mask_time_prob=0.0, ctc_zero_infinity=True, do_stable_layer_norm=True,
+                            layerdrop=0.0, mask_time_prob=0.0, final_dropout=0.0, ctc_zero_infinity=True, do_stable_layer_norm=True,
                             feat_extract_norm="layer")  # fmt: skip
     return Wav2Vec2ForCTC(config)
 

@@ -131,3 +131,43 @@ def test_measurement_keeps_the_prior_where_rules_weigh_alike():
         lambda b: float(b["x"].sum() / len(b["x"])), window, take_rows=take_rows, concat=concat_window, prior="rows"
     )
     assert finding.rule == "rows" and finding.decided_by == "prior" and "label_tokens" in finding.equivalent
+
+
+# ---------------------------------------------------------------------------------------------------- the plain loop
+def _plain_loop(model, rows, **options):
+    """One SGD step of 3 micro-batches of 4 rows through `GradientAccumulator.backward(loss, batch=...)`."""
+    from hf_gradaccum import GradientAccumulator
+
+    from .model_loss_cases import collate
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulator = GradientAccumulator(model, gradient_accumulation_steps=3, **options)
+    model.train()
+    for start in range(0, 12, 4):
+        batch = collate(rows[start : start + 4])
+        accumulator.backward(model(**batch).loss, batch=batch)
+    accumulator.step(optimizer)
+    return accumulator
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"), [("wav2vec2_ctc_sum", "sum"), ("wav2vec2_ctc_mean", "rows"), ("llama_causal_lm", None)]
+)
+def test_plain_loop_weights_by_the_measured_rule(name, rule, tmp_path):
+    model, rows = build(name)
+    start = flat(model)
+    reference = copy.deepcopy(model)
+    one_step(reference, rows, str(tmp_path / "stock"), ours=False, micro=12, steps=1)
+    accumulator = _plain_loop(model, rows)
+    delta, delta_ref = flat(model) - start, flat(reference) - start
+    assert float((delta - delta_ref).norm() / delta_ref.norm()) <= TOLERANCE
+    assert accumulator.normalisation.rule == (rule or "shifted_label_tokens")
+
+
+@pytest.mark.parametrize(("name", "match"), [("resnet_batchnorm", "BatchNorm"), ("bert_pretraining", "own counts")])
+def test_plain_loop_refuses_before_anything_is_accumulated(name, match):
+    model, rows = build(name)
+    start = flat(model)
+    with pytest.raises(ModelLossError, match=match):
+        _plain_loop(model, rows)
+    assert torch.equal(flat(model), start) and all(p.grad is None for p in model.parameters())

@@ -14,13 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..engine.loss_normalisation import (
     BOXES,
@@ -52,17 +50,9 @@ from .model_losses import (
     training_batchnorms,
 )
 from .moe import adds_router_loss
+from .probe_gradients import gradient_residual_for, reduce_max_over_ranks
 
 logger = logging.getLogger(__name__)
-
-
-def _reduce_max(values: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 class _OutOfMemory(Exception):
@@ -81,11 +71,6 @@ def _undecided_on_out_of_memory(prior: str):
             raise
         release_cached_memory()
         raise _OutOfMemory(finding) from error
-
-
-def _gradient_norm(params: list[torch.Tensor]) -> float:
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
 
 
 def _engine_owns_gradients(trainer: Any) -> bool:
@@ -240,32 +225,9 @@ class TrainerLossRule:
 
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def gradient_residual(terms: list[tuple[Mapping[str, Any], float]]) -> float:
-            # One graph at a time, accumulated in `.grad` (empty before a window's first backward): no more memory
-            # than a training micro-step. The window's own gradients are put back untouched.
-            saved = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            try:
-                whole_norm = 0.0
-                for index, (batch, weight) in enumerate(terms):
-                    with trainer.compute_loss_context_manager():
-                        loss = trainer.compute_loss(model, dict(batch))
-                    if weight:
-                        (loss.float() * weight).backward()
-                    if index == 0:
-                        whole_norm = _gradient_norm(params)
-                return _gradient_norm(params) / max(whole_norm, 1e-30)
-            except Exception as error:
-                # A micro-batch's backward at the memory limit: the out-of-memory retry chunks training's, not this
-                # probe's. The loss values decide alone then.
-                if not is_out_of_memory(error):
-                    raise
-                release_cached_memory()
-                return math.nan
-            finally:
-                for p, grad in zip(params, saved, strict=True):
-                    p.grad = grad
+        def loss_with_graph(batch: Mapping[str, Any]) -> torch.Tensor:
+            with trainer.compute_loss_context_manager():
+                return trainer.compute_loss(model, dict(batch))
 
         dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if dtype is None:
@@ -280,10 +242,12 @@ class TrainerLossRule:
                 tolerance=tolerance_for(dtype),
                 label_name=label_name,
                 confirm=confirm,
-                reduce_max=_reduce_max,
+                reduce_max=reduce_max_over_ranks,
                 # Sharded engines own the gradients (their backward reduce-scatters into buffers of theirs): the
                 # loss values decide alone there.
-                gradient_residual=None if _engine_owns_gradients(trainer) else gradient_residual,
+                gradient_residual=None
+                if _engine_owns_gradients(trainer)
+                else gradient_residual_for(params, loss_with_graph),
             )
 
     def _no_weighting(self, trainer: Any, batches: list[Any]) -> None:

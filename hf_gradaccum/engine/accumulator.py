@@ -33,6 +33,7 @@ from .fsdp2.buffers import gradient_buffers_for, is_dtensor, refuse_sharded_engi
 from .fsdp2.schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .in_place import InPlaceGradients, check_accumulation_path, why_not_in_place
 from .items import count_items_in_batch
+from .loss_normalisation import NAMED_RULES, SUM, NormalisationFinding, batch_count
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
@@ -107,6 +108,16 @@ class GradientAccumulator:
         micro_batch_size (`int`, *optional*):
             With `effective_batch_size`: the largest micro-batch a rank runs.
 
+        loss_normalisation (`str`, *optional*, defaults to `"auto"`):
+            What [`backward`]`(loss, batch=...)` weights a transformers model's micro-batch by. `"auto"`: measured on
+            the first batch given, before anything is folded (a mean over label tokens, shifted label tokens, rows,
+            boxes or another count the batch carries, or a sum; `adapters/plain_loop_rule.py`), and a loss no
+            weighting makes exact (BatchNorm, an in-batch or router loss, terms with their own counts) raises a
+            `ModelLossError`. Or name it: `"label_tokens"`, `"shifted_label_tokens"`, `"rows"`, `"sum"`, `"boxes"`.
+        batchnorm_statistics (`str`, *optional*, defaults to `"stop"`):
+            `"micro_batch"` accepts BatchNorm layers in training mode (per-micro-batch statistics, knowingly);
+            `"stop"` refuses them at the first `batch=`.
+
     Example (a plain PyTorch loop; see `recipes/plain_accelerate_loop.py` for the Accelerate version):
 
     ```python
@@ -148,6 +159,8 @@ class GradientAccumulator:
         accumulation_path: str = "auto",
         effective_batch_size: int | None = None,
         micro_batch_size: int | None = None,
+        loss_normalisation: str = "auto",
+        batchnorm_statistics: str = "stop",
     ) -> None:
         if effective_batch_size is not None:
             world_size = world_size_and_rank(reduce_gradients, data_parallel_group)[0]
@@ -161,6 +174,16 @@ class GradientAccumulator:
         self.overflow_policy = overflow_policy
         check_fsdp_reduce_schedule(fsdp_reduce_schedule)
         check_accumulation_path(accumulation_path)
+        if loss_normalisation not in ("auto", *NAMED_RULES):
+            raise ValueError(
+                f"`loss_normalisation` must be one of {['auto', *NAMED_RULES]}, got {loss_normalisation!r}."
+            )
+        if batchnorm_statistics not in ("stop", "micro_batch"):
+            raise ValueError(f"`batchnorm_statistics` must be 'stop' or 'micro_batch', got {batchnorm_statistics!r}.")
+        self.loss_normalisation = loss_normalisation
+        self.batchnorm_statistics = batchnorm_statistics
+        # What `backward(loss, batch=...)` weights by, settled on the first batch given (`plain_loop_rule.py`).
+        self.normalisation: NormalisationFinding | None = None
         if not isinstance(offload_accumulation_buffer, bool):
             raise ValueError(
                 f"`offload_accumulation_buffer` must be True or False, got {offload_accumulation_buffer!r}."
@@ -510,18 +533,51 @@ class GradientAccumulator:
                 f"`batch` must be a mapping of the model's inputs (e.g. a dict with `labels`), got {type(batch).__name__}."
             )
         shift = self.loss_shifts_labels
-        if shift is None:
+        if self._model is None or (shift is None and self.loss_normalisation == "auto"):
             given = (
                 "parameters, not the model"
                 if self._model is None
                 else f"a `{type(self._model).__name__}` that is not a transformers model with a recognisable loss"
             )
             raise ValueError(
-                "`batch=` needs to know whether the model's loss shifts its labels (a causal LM divides by one token "
-                f"fewer per row), and this accumulator cannot tell: it was given {given}. Pass "
-                "`num_items=count_items_in_batch(batch, shift_labels=...)` (or `count_items(...)`) instead."
+                "`batch=` needs to know what the model's loss divides by (a causal LM divides by one token fewer per "
+                f"row), and this accumulator cannot tell: it was given {given}. Pass "
+                "`num_items=count_items_in_batch(batch, shift_labels=...)` (or `count_items(...)`) instead, or "
+                "`loss_normalisation=` to the accumulator."
             )
-        return count_items_in_batch(batch, shift_labels=shift)
+        if self.normalisation is None:
+            self.normalisation = self._settle_normalisation(batch, shift)
+        rule = self.normalisation.rule
+        if rule == SUM:
+            self.sums_losses = True
+            return 1
+        count = batch_count(rule, batch)
+        return count_items_in_batch(batch, shift_labels=bool(shift)) if count is None else count
+
+    def _settle_normalisation(self, batch: Mapping[str, Any], shift: bool | None) -> NormalisationFinding:
+        """Measure, on the first batch given, what the model's loss divides by (or refuse: `plain_loop_rule.py`)."""
+        # The transformers-aware rules live with the adapters; the engine asks them only when handed a model's batch.
+        from ..adapters.plain_loop_rule import settle_plain_loop_rule
+
+        labels = batch.get("labels")
+        token_level = torch.is_tensor(labels) and not labels.is_floating_point() and labels.dim() > 1
+        if labels is None or (torch.is_tensor(labels) and labels.is_floating_point()):
+            prior = "rows"
+        elif isinstance(labels, (list, tuple)):
+            prior = "boxes"
+        else:
+            prior = "shifted_label_tokens" if token_level and shift else "label_tokens"
+        world, _ = world_size_and_rank(self._reduce_gradients, self._data_parallel_group)
+        return settle_plain_loop_rule(
+            self._model,
+            batch,
+            prior=prior,
+            named=self.loss_normalisation,
+            batchnorm_statistics=self.batchnorm_statistics,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            world_size=world,
+            measure_gradients=not self.sharded and self._window is None,
+        )
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:
