@@ -30,6 +30,7 @@ from ..engine.loss_normalisation import (
     NormalisationFinding,
     batch_count,
     measure_loss_normalisation,
+    window_cuts,
 )
 from ..engine.oom_retry import is_out_of_memory, release_cached_memory
 from ..verification import verify_split_invariance
@@ -41,12 +42,13 @@ from .arguments import gradaccum_option
 from .composed_class import library_trainer
 from .model_inspection import unwrap_model
 from .model_losses import (
+    DetectionTerms,
     ModelLossError,
     WindowTerms,
     contrastive_coupled_loss,
     in_model_contrastive,
-    model_loss_terms,
     refuse_batchnorm,
+    registered_terms,
     training_batchnorms,
 )
 from .moe import adds_router_loss
@@ -94,7 +96,7 @@ class TrainerLossRule:
     def __init__(self) -> None:
         self.settled = False
         self.rule: str | None = None
-        self.terms: WindowTerms | None = None
+        self.terms: WindowTerms | DetectionTerms | None = None
         self.finding: NormalisationFinding | None = None
 
     @property
@@ -251,23 +253,21 @@ class TrainerLossRule:
             )
 
     def _no_weighting(self, trainer: Any, batches: list[Any]) -> None:
-        """No single weighting holds: a registered loss of several terms is weighted per term; anything else stops."""
+        """No single weighting holds: a registered loss of several terms is weighted per term, once its terms are
+        shown to add up to the model's loss and their sums to add up over a cut; anything else stops."""
         model = trainer.model
-        prepared = trainer._prepare_inputs(batches[0])
-        terms = model_loss_terms(model, prepared)
+        prepared = [trainer._prepare_inputs(b) for b in batches]
+        terms = registered_terms(model, prepared[0])
         name = type(unwrap_model(model)).__name__
         mismatch = "not registered"
-        if terms is not None:
-            window_terms = WindowTerms(terms)
-            with isolated_probe(model), torch.no_grad(), trainer.compute_loss_context_manager():
-                loss, outputs = trainer.compute_loss(model, dict(prepared), return_outputs=True)
-                mismatch = window_terms.check_against(loss, outputs, prepared, self.finding.tolerance * 10)
+        if terms is not None and isinstance(terms, DetectionTerms) and trainer.args.world_size > 1:
+            mismatch = "a detection loss under several processes (the model all-reduces its box count in forward)"
+        elif terms is not None:
+            mismatch = self._check_terms(trainer, terms, prepared)
             if not mismatch:
-                self.rule, self.terms = "terms", window_terms
+                self.rule, self.terms = "terms", terms
                 self.finding.rule, self.finding.decided_by = "terms", "registry"
-                self.finding.note = "a sum of terms, each a mean over its own count: " + ", ".join(
-                    f"{t.logits} over {t.labels}" for t in terms
-                )
+                self.finding.note = f"a sum of terms, each divided by its own count ({type(terms).__name__})"
                 return
         raise ModelLossError(
             f"{name}'s loss is not a mean over any count its batch carries, nor a sum ({self.finding.note}; "
@@ -276,6 +276,33 @@ class TrainerLossRule:
             "Stopped before the first optimizer step.\nFix: `gradient_accumulation_steps=1` with the batch you "
             'want, or name the weighting you know is right (`loss_normalisation="rows"`, ...), or a '
             "`coupled_loss=` for a loss over the whole window (docs/coupled_losses.md)."
+        )
+
+    def _check_terms(self, trainer: Any, terms: Any, prepared: list[Any]) -> str:
+        """Empty if the registered terms add up to the model's own loss on the first micro-batch and, on the first
+        cut, the gradient of their sums adds up too (counts that the values alone cannot check)."""
+        model = trainer.model
+        tolerance = self.finding.tolerance
+        with isolated_probe(model), torch.no_grad(), trainer.compute_loss_context_manager():
+            loss, outputs = trainer.compute_loss(model, dict(prepared[0]), return_outputs=True)
+            mismatch = terms.check_against(loss, outputs, prepared[0], tolerance * 10)
+        cuts = window_cuts(prepared, take_rows, concat_window)
+        if mismatch or not cuts or _engine_owns_gradients(trainer):
+            return mismatch
+        whole, part_a, part_b = cuts[0]
+        terms.prepare([whole])
+
+        def share_with_graph(batch: Mapping[str, Any]) -> torch.Tensor:
+            with trainer.compute_loss_context_manager():
+                _, out = trainer.compute_loss(model, dict(batch), return_outputs=True)
+            return terms.micro_batch_loss(out, batch)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        with isolated_probe(model):
+            residual = gradient_residual_for(params, share_with_graph)([(whole, 1.0), (part_a, -1.0), (part_b, -1.0)])
+        self.finding.gradient_residuals["terms"] = residual
+        return (
+            "" if not residual > tolerance else f"their sums do not add up over a cut (gradient off by {residual:.2g})"
         )
 
     def _report(self, trainer: Any, summary: str) -> None:

@@ -167,6 +167,85 @@ def model_loss_terms(model: nn.Module, batch: Mapping[str, Any]) -> tuple[CrossE
     return terms
 
 
+class DetectionTerms:
+    """
+    The loss of transformers' DETR-style detection heads (`loss_type="ForObjectDetection"`: DETR, YOLOS, Table
+    Transformer), made exact per term. Its class term is a cross-entropy over every query, weighted 1 for a query
+    matched to a box and `eos_coefficient` for the others, so it divides by `boxes + eos * (queries - boxes)`; its box
+    terms (L1, GIoU) divide by the batch's boxes. Each term of the model's `loss_dict` is turned back into its sum and
+    divided by its count over the window.
+
+    Example:
+
+    ```python
+    >>> terms = DetectionTerms(model.config)  # doctest: +SKIP
+    >>> terms.prepare(window_batches)  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.eos = float(config.eos_coefficient)
+        self.queries = int(getattr(config, "num_queries", None) or config.num_detection_tokens)
+        weights = {"loss_ce": 1.0, "loss_bbox": float(config.bbox_loss_coefficient),
+                   "loss_giou": float(config.giou_loss_coefficient)}  # fmt: skip
+        if getattr(config, "auxiliary_loss", False):
+            for i in range(config.decoder_layers - 1):
+                weights.update({f"{k}_{i}": v for k, v in list(weights.items()) if k.count("_") == 1})
+        self.weights = weights
+        self.counts = {"ce": 0.0, "boxes": 0.0}
+
+    def _local(self, batch: Mapping[str, Any]) -> dict[str, float]:
+        targets = batch["labels"]
+        boxes = float(sum(len(t["class_labels"]) for t in targets))
+        return {"ce": boxes + self.eos * (len(targets) * self.queries - boxes), "boxes": boxes}
+
+    @staticmethod
+    def _kind(key: str) -> str:
+        return "ce" if key.startswith("loss_ce") else "boxes"
+
+    def prepare(self, batches: Sequence[Mapping[str, Any]]) -> None:
+        """The window's weighted query count and box count."""
+        local = [self._local(b) for b in batches]
+        self.counts = {kind: sum(c[kind] for c in local) for kind in ("ce", "boxes")}
+
+    def micro_batch_loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        local = self._local(batch)
+        divisors = {"ce": local["ce"], "boxes": max(local["boxes"], 1.0)}  # the model clamps its box count at 1
+        parts = []
+        for key, weight in self.weights.items():
+            value = outputs["loss_dict"].get(key)
+            total = max(self.counts[self._kind(key)], 1.0 if self._kind(key) == "boxes" else 0.0)
+            if value is not None and total > 0:
+                parts.append(weight * value * (divisors[self._kind(key)] / total))
+        return torch.stack(parts).sum()
+
+    def check_against(self, loss: torch.Tensor, outputs: Any, batch: Mapping[str, Any], tolerance: float) -> str:
+        """Empty if the weighted `loss_dict` terms add up to the model's own `loss`."""
+        loss_dict = outputs.get("loss_dict") if hasattr(outputs, "get") else None
+        if not loss_dict:
+            return "no loss_dict in the outputs"
+        total = sum(float(loss_dict[k]) * w for k, w in self.weights.items() if k in loss_dict)
+        if abs(total - float(loss)) <= tolerance * max(abs(float(loss)), 1e-12):
+            return ""
+        return f"the weighted terms add up to {total:.6g}, the model's loss is {float(loss):.6g}"
+
+
+def registered_terms(model: nn.Module, batch: Mapping[str, Any]) -> WindowTerms | DetectionTerms | None:
+    """The per-term weighting registered for `model`'s loss, where `batch` carries what it needs."""
+    base = unwrap_model(model)
+    terms = model_loss_terms(base, batch)
+    if terms is not None:
+        return WindowTerms(terms)
+    if getattr(base, "loss_type", None) == "ForObjectDetection" or (
+        type(base).__name__
+        in ("DetrForObjectDetection", "YolosForObjectDetection", "TableTransformerForObjectDetection")
+    ):
+        labels = batch.get("labels")
+        if isinstance(labels, (list, tuple)) and labels and all(isinstance(t, Mapping) for t in labels):
+            return DetectionTerms(base.config)
+    return None
+
+
 class WindowTerms:
     """
     A loss of several terms, each a mean over its own count, made exact: each micro-batch's loss becomes

@@ -193,7 +193,7 @@ def _rows_of(batch: Mapping[str, Any], take_rows: Callable, start: int, stop: in
     return out
 
 
-def _cuts_of(
+def window_cuts(
     batches: Sequence[Mapping[str, Any]], take_rows: Callable, concat: Callable
 ) -> list[tuple[Any, Any, Any]]:
     """(whole, part a, part b) for each micro-batch of two rows or more (its first row against the rest: the most
@@ -332,7 +332,7 @@ def measure_loss_normalisation(
         candidates.append(prior)
     cuts: list[_Cut] = []
     forwards = 0
-    cut_batches = _cuts_of(batches, take_rows, concat)
+    cut_batches = window_cuts(batches, take_rows, concat)
     for whole, part_a, part_b in cut_batches:
         values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
         forwards += 3
