@@ -116,7 +116,7 @@ LOSSES = {
 @pytest.mark.parametrize("truth", sorted(LOSSES))
 def test_measurement_finds_the_normalisation_from_values(truth):
     finding = measure_loss_normalisation(
-        LOSSES[truth], _window(), take_rows=take_rows, concat=concat_window, prior="label_tokens"
+        LOSSES[truth], _window(), take_rows=take_rows, concat=concat_window, prior="label_tokens", max_cuts=3
     )
     assert finding.rule == truth, finding
     assert finding.cuts == 3 and finding.forwards == 9  # two cuts of micro-batches, one of a pair of single rows

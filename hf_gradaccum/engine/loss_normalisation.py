@@ -291,11 +291,13 @@ def measure_loss_normalisation(
     confirm: Callable[[str], bool | None] | None = None,
     reduce_max: Callable[[list[float]], list[float]] | None = None,
     gradient_residual: GradientResidual | None = None,
+    max_cuts: int = 2,
 ) -> NormalisationFinding:
     """
     Find how the loss computed by `loss_of(batch)` (a float: the loss of one batch, no gradient needed) is normalised,
     from the micro-batches of one window. Every applicable rule ([`candidate_rules`]) is tried on cuts of the window
-    (each micro-batch's first row against its other rows; one-row micro-batches in pairs): 3 forwards per cut.
+    (each micro-batch's first row against its other rows; one-row micro-batches in pairs; at most `max_cuts`): 3
+    forwards per cut.
 
     Args:
         loss_of: the loss of one batch, as training computes it (randomness off).
@@ -332,7 +334,8 @@ def measure_loss_normalisation(
         candidates.append(prior)
     cuts: list[_Cut] = []
     forwards = 0
-    cut_batches = window_cuts(batches, take_rows, concat)
+    # Two cuts: the gradients decide what the values leave open, and each cut more costs a micro-batch's forwards.
+    cut_batches = window_cuts(batches, take_rows, concat)[:max_cuts]
     for whole, part_a, part_b in cut_batches:
         values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
         forwards += 3
