@@ -292,7 +292,12 @@ def trainer_arguments(spec: dict[str, Any]) -> Any:
     from hf_gradaccum import GradAccumArguments
 
     gradaccum = spec["runner"] == "gradaccum"
-    path = {"accumulation_path": spec.get("accumulation_path", "auto")} if gradaccum else {}
+    # A speed comparison: BatchNorm heads (ResNet) keep the stock Trainer's per-micro-batch statistics, named.
+    path = (
+        {"accumulation_path": spec.get("accumulation_path", "auto"), "batchnorm_statistics": "micro_batch"}
+        if gradaccum
+        else {}
+    )
     return (GradAccumArguments if gradaccum else TrainingArguments)(
         **path,
         output_dir=tempfile.mkdtemp(prefix="bench_throughput_"),
@@ -399,6 +404,7 @@ def run_gradaccum_loop(spec: dict[str, Any], model: Any, data: list[dict[str, An
         gradient_accumulation_steps=spec["ga"],
         loss_scaler=DynamicLossScaler() if fp16 else None,
         accumulation_path=spec.get("accumulation_path", "auto"),
+        batchnorm_statistics="micro_batch",  # a speed comparison: the stock loop's per-micro-batch statistics
     )
     for batch in loader:
         with accumulator.accumulate(model):

@@ -103,7 +103,10 @@ def _profile(kind: str, model: object, dataset: object, windows: int, micro: int
     args_cls, trainer_cls = (
         (GradAccumArguments, GradAccumTrainer) if kind == "gradaccum" else (TrainingArguments, Trainer)
     )
+    # A speed profile: BatchNorm heads (ResNet-18) keep the stock Trainer's per-micro-batch statistics, named.
+    named = {"batchnorm_statistics": "micro_batch"} if kind == "gradaccum" else {}
     args = args_cls(
+        **named,
         output_dir=f"/tmp/profile_trainer_window_{kind}",
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
