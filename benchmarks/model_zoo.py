@@ -45,7 +45,9 @@ def run_in_process(family_id: str, timeout: float) -> dict[str, Any]:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            return _row(family, status="not run", reason=f"over the {timeout:.0f} s limit", seconds=time.time() - start)
+            return _row(
+                family, status="not run", reason=f"over the {timeout:.0f} s limit", seconds=time.time() - start
+            )
         if result.exists():
             return json.loads(result.read_text())
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -97,7 +99,10 @@ def _name(row: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of the rows, the families that did not run, and the counts."""
-    lines = ["| family | task | the loss's own normalisation | ours | stock Trainer at GA 3 |", "|---|---|---|---|---|"]
+    lines = [
+        "| family | task | the loss's own normalisation | ours | stock Trainer at GA 3 |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
         if row.get("status") == "run":
             lines.append(f"| {_name(row)} | {row['task']} | {row.get('normalisation', '')} | "
@@ -161,7 +166,9 @@ def main() -> int:
         rows = list(pool.map(one, selected))
     elapsed = time.time() - start
     command = "python benchmarks/model_zoo.py " + " ".join(sys.argv[1:])
-    text = table(rows) + f"\n{len(rows)} families in {elapsed:.0f} s with --jobs {args.jobs}. Made by\n\n    {command}\n"
+    text = (
+        table(rows) + f"\n{len(rows)} families in {elapsed:.0f} s with --jobs {args.jobs}. Made by\n\n    {command}\n"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"elapsed_s": elapsed, "command": command, "rows": rows}, indent=1))
     if args.out:
