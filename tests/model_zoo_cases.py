@@ -120,6 +120,12 @@ OVERRIDES: dict[tuple[str, str], dict[str, Any]] = {
     ("*", "rt_detr"): {"encoder_in_channels": [32, 64, 64]},
     ("*", "bit"): {"num_groups": 4},
     ("pretraining", "wav2vec2"): {"mask_time_prob": 0.05},  # its masked-frame embedding exists only when masking
+    # Every layer sparse: the generic two layers would otherwise have no router at all.
+    ("*", "nllb-moe"): {"encoder_sparse_step": 1, "decoder_sparse_step": 1},
+    ("*", "switch_transformers"): {"num_sparse_encoder_layers": 2, "num_sparse_decoder_layers": 2},
+    ("*", "dpt"): {"num_hidden_layers": 4, "backbone_out_indices": [0, 1, 2, 3]},
+    ("segmentation", "beit"): {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "auxiliary_channels": 32},
+    ("segmentation", "data2vec-vision"): {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "auxiliary_channels": 32},
     ("*", "gpt_neo"): {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
 }  # fmt: skip
 
@@ -279,7 +285,7 @@ def _shrunk_list(name: str, value: list) -> list | None:
         return None
     if name in ("depths", "num_layers"):
         return [1] * n
-    if name in ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes", "out_channels"):
+    if name in ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes"):
         return [min(16 * 2**i, 64) for i in range(n)]
     if name in ("num_heads", "num_attention_heads", "encoder_attention_heads"):
         return [1] * n
@@ -554,10 +560,10 @@ def _wav2vec2_pretraining_inputs(model: Any, input_values: torch.Tensor, g: torc
     masked = _compute_mask_indices((ROWS, frames), mask_prob=0.5, mask_length=2, min_masks=1)
     negatives = _sample_negative_indices((ROWS, frames), 4, mask_time_indices=masked)
     torch.random.set_rng_state(state)
-    return {
-        "mask_time_indices": torch.tensor(masked, dtype=torch.bool),
-        "sampled_negative_indices": torch.tensor(negatives, dtype=torch.long),
-    }
+    # The sampler returns indices into the flattened batch; per row they are made relative to the row, and
+    # `collate` puts each row's offset back for the batch it lands in, as the pre-training collator does.
+    negatives = torch.tensor(negatives, dtype=torch.long) - (torch.arange(ROWS) * frames)[:, None, None]
+    return {"mask_time_indices": torch.tensor(masked, dtype=torch.bool), "sampled_negative_indices": negatives}
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -567,6 +573,8 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in rows[0].items():
         if isinstance(value, torch.Tensor):
             out[key] = torch.stack([row[key] for row in rows])
+            if key == "sampled_negative_indices":
+                out[key] = out[key] + (torch.arange(len(rows)) * value.shape[0])[:, None, None]
         elif isinstance(value, dict):
             out[key] = [row[key] for row in rows]
         else:
