@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from tests.composition_cases import TRAIN_ARGS as PARITY_ARGS
+from tests.composition_cases import flat_trainable
+
 RTOL = 1e-5
 ROWS, MICRO, STEPS = 12, 4, 3
 SEQ_LEN = 12
@@ -225,6 +228,7 @@ def _config_has(model_type: str, name: str) -> bool:
 
 
 def model_class(class_name: str) -> type:
+    """The transformers model class of that name."""
     import transformers
 
     return getattr(transformers, class_name)
@@ -583,6 +587,8 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Rows(torch.utils.data.Dataset):
+    """The window's rows as a dataset (read in order: the runs use sequential sampling)."""
+
     def __init__(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
 
@@ -594,6 +600,8 @@ class Rows(torch.utils.data.Dataset):
 
 
 def with_return_loss(collator: Callable) -> Callable:
+    """`collator` with `return_loss=True` added to every batch (the contrastive models compute their loss on it)."""
+
     def collate_with_loss(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {**collator(rows), "return_loss": True}
 
@@ -603,28 +611,18 @@ def with_return_loss(collator: Callable) -> Callable:
 # ---------------------------------------------------------------------------------------------------------------
 # runs
 
-TRAIN_ARGS = dict(
-    learning_rate=LEARNING_RATE,
-    optim="sgd",
-    lr_scheduler_type="constant",
-    max_grad_norm=0.0,
-    weight_decay=0.0,
-    max_steps=1,
-    train_sampling_strategy="sequential",
-    remove_unused_columns=False,
-    report_to=[],
-    save_strategy="no",
-    logging_strategy="no",
-    use_cpu=True,
-    disable_tqdm=True,
-    dataloader_drop_last=False,
-    seed=0,
-)
+# The parity tests' SGD settings (constant learning rate, no clipping, no weight decay, sequential order, CPU), for
+# one optimizer step on a dataset whose rows are already tensors.
+TRAIN_ARGS = {
+    **{
+        k: v for k, v in PARITY_ARGS.items() if k not in ("per_device_train_batch_size", "gradient_accumulation_steps")
+    },
+    "learning_rate": LEARNING_RATE,
+    "max_steps": 1,
+    "remove_unused_columns": False,
+    "dataloader_drop_last": False,
+}
 RUNS = {"reference": (ROWS, 1), "stock": (MICRO, STEPS), "ours": (MICRO, STEPS)}
-
-
-def flat_trainable(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
 
 
 def train_once(kind: str, model: torch.nn.Module, rows: list[dict[str, Any]], output_dir: str) -> torch.Tensor:
@@ -652,6 +650,7 @@ def _forward_params(model: torch.nn.Module) -> Any:
 
 
 def relative(update: torch.Tensor, reference: torch.Tensor) -> float:
+    """`||update - reference|| / ||reference||`."""
     return float((update - reference).norm() / reference.norm())
 
 
