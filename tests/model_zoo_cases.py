@@ -120,7 +120,9 @@ OVERRIDES: dict[tuple[str, str], dict[str, Any]] = {
     ("*", "swin"): {"window_size": 2, "depths": [1, 1, 1], "num_heads": [1, 1, 1]},
     ("*", "levit"): {"image_size": 64, "patch_size": 16, "hidden_sizes": [16, 24, 32], "num_attention_heads": [1, 1, 1],
                      "depths": [1, 1, 1], "key_dim": [8, 8, 8]},
-    ("*", "rt_detr"): {"encoder_in_channels": [32, 64, 64]},
+    ("*", "rt_detr"): {"encoder_in_channels": [32, 64, 64], "decoder_in_channels": [32, 32, 32]},
+    # ALIGN compares the text projection with the pooled vision features as they are: the same width.
+    ("*", "align"): {"projection_dim": 80, "vision_config": {"width_coefficient": 0.25, "depth_coefficient": 1.0}},
     ("*", "bit"): {"num_groups": 4},
     ("pretraining", "wav2vec2"): {"mask_time_prob": 0.05},  # its masked-frame embedding exists only when masking
     # Every layer sparse: the generic two layers would otherwise have no router at all.
@@ -343,8 +345,11 @@ def tiny_config(family: Family) -> Any:
 
     config_class = CONFIG_MAPPING[family.model_type]
     kwargs = shrink_fields(config_class())
-    kwargs.update(OVERRIDES.get(("*", family.model_type), {}))
-    kwargs.update(OVERRIDES.get((family.task, family.model_type), {}))
+    for key in (("*", family.model_type), (family.task, family.model_type)):
+        for name, value in OVERRIDES.get(key, {}).items():
+            # A sub-config's override changes the shrunk sub-config, field by field.
+            merge = isinstance(value, dict) and isinstance(kwargs.get(name), dict)
+            kwargs[name] = {**kwargs[name], **value} if merge else value
     if family.task == "moe":
         kwargs.update(output_router_logits=True, router_aux_loss_coef=0.02)
     if (
