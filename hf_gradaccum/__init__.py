@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
     # plain loops (engine)
-    "GradientAccumulator": ".engine.accumulator",
+    "GradientAccumulator": ".adapters.plain_loop_rule",
     "WindowResult": ".engine.window",
     "DynamicLossScaler": ".engine.loss_scaling",
     "AccumulatorCheckpoint": ".engine.fsdp2.checkpoint",
@@ -110,8 +110,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .adapters.coupled import clip_coupled_loss, ranking_coupled_loss
     from .adapters.effective_batch import EffectiveBatchCallback
     from .adapters.moe import WindowRouterBalance
+    from .adapters.plain_loop_rule import GradientAccumulator
     from .adapters.trainer import GradAccumTrainer
-    from .engine.accumulator import GradientAccumulator
     from .engine.coupled import CoupledLoss
     from .engine.fsdp2.checkpoint import AccumulatorCheckpoint
     from .engine.items import count_items_in_batch, count_items_in_batches

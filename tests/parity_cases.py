@@ -270,9 +270,10 @@ def train_with(
     args_cls=None,
     use_cpu: bool = True,
     max_grad_norm: float = 0.0,
+    **options,
 ):
-    """Train one epoch with `trainer_cls` (SGD lr=1, sequential order, no clipping unless `max_grad_norm`); return
-    the trained model."""
+    """Train one epoch with `trainer_cls` (SGD lr=1, sequential order, no clipping unless `max_grad_norm`; `options`
+    are further arguments); return the trained model."""
     from hf_gradaccum import GradAccumArguments
 
     args_cls = args_cls or GradAccumArguments
@@ -296,6 +297,7 @@ def train_with(
         disable_tqdm=True,
         dataloader_drop_last=False,
         seed=0,
+        **options,
     )
     model = copy.deepcopy(model)
     trainer = trainer_cls(model=model, args=args, train_dataset=data, compute_loss_func=case.compute_loss_func)

@@ -82,6 +82,8 @@ def test_trainer_counts_a_prefetched_window_with_one_host_read(tmp_path):
     window = _lm_window()
     expected = [count_items_in_batch(b, shift_labels=True) for b in window]
     assert trainer._shifts_labels()  # decided once per model, before the window
+    trainer._loss_rule.window_prefetched(trainer, window)  # the first window's measurement, with reads of its own
+    assert trainer._loss_rule.rule == "shifted_label_tokens"
     with HostReads() as reads:
         batches, _ = trainer.get_batch_samples(iter(window), len(window), torch.device("cpu"))
     assert batches == window

@@ -127,7 +127,10 @@ def test_fp16_recompute_redoes_only_the_overflowing_micro_batch(tmp_path):
     torch.manual_seed(0)
     model = CASE_BY_NAME["bert_regression"].make_model()
     data = _regression_window(overflow=True)
-    trainer = _fp16_trainer(tmp_path / "recompute", model, data, overflow_policy="recompute")
+    # The rule named (a regression head: a mean over rows), so that every forward counted here is training's.
+    trainer = _fp16_trainer(
+        tmp_path / "recompute", model, data, overflow_policy="recompute", loss_normalisation="rows"
+    )
     calls = []
     original = trainer.compute_loss
     trainer.compute_loss = lambda *a, **k: calls.append(1) or original(*a, **k)

@@ -12,6 +12,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+from hf_gradaccum.adapters.accumulation_check import CHECK_FILE_NAME
 from hf_gradaccum.adapters.arguments import GradAccumFields
 from tests.ordering import SEQUENTIAL_ORDER
 from tests.parity_cases import CASES
@@ -58,8 +59,9 @@ def test_outputs_match_the_stock_trainer_except_documented_additions(tmp_path):
     stock = _run(Trainer, TrainingArguments, tmp_path / "stock", model, data)
     ours = _run(GradAccumTrainer, GradAccumArguments, tmp_path / "ours", model, data)
 
-    # Same files, same checkpoints, no stray folders.
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in stock.iterdir())
+    # Same files, same checkpoints, no stray folders; plus the documented record of what the first window measured.
+    assert sorted(p.name for p in ours.iterdir()) == sorted([*(p.name for p in stock.iterdir()), CHECK_FILE_NAME])
+    assert json.loads((ours / CHECK_FILE_NAME).read_text())["loss_normalisation"]["rule"] == "label_tokens"
 
     for name in ("train_results.json", "all_results.json"):
         stock_keys = set(json.loads((stock / name).read_text()))

@@ -33,7 +33,6 @@ from ..engine.loss_normalisation import (
     window_cuts,
 )
 from ..engine.oom_retry import is_out_of_memory, release_cached_memory
-from ..verification import verify_split_invariance
 from ..verification.isolation import isolated_probe
 from ..verification.split_invariance import tolerance_for
 from ..verification.windows import concat_window, take_rows
@@ -55,6 +54,28 @@ from .moe import adds_router_loss
 from .probe_gradients import gradient_residual_for, reduce_max_over_ranks
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _resharded_after(model: torch.nn.Module):
+    """FSDP2 leaves parameters gathered after forwards that no backward follows: shard them again, as training
+    expects to find them."""
+    try:
+        yield
+    finally:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch without FSDP2
+            return
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def _full_precision(trainer: Any) -> contextlib.AbstractContextManager:
+    """Autocast off for the probe's forwards where it is only a context (the parameters' own precision separates the
+    rules best); a forward Accelerate wrapped in autocast keeps it."""
+    return torch.autocast(device_type=trainer.args.device.type, enabled=False)
 
 
 class _OutOfMemory(Exception):
@@ -207,34 +228,24 @@ class TrainerLossRule:
         label_name = trainer.label_names[0] if trainer.label_names else "labels"
 
         def loss_of(batch: Mapping[str, Any]) -> float:
-            with torch.no_grad(), trainer.compute_loss_context_manager():
+            with torch.no_grad(), _full_precision(trainer):
                 return float(trainer.compute_loss(model, dict(batch)).float())
 
         def loss_fn(module: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
             with trainer.compute_loss_context_manager():
                 return trainer.compute_loss(module, batch)
 
-        def confirm(rule: str) -> bool | None:
-            if rule == SUM:
-                return None
-            result = verify_split_invariance(
-                model,
-                prepared,
-                loss_fn=loss_fn,
-                count_items=lambda b: int(batch_count(rule, b, label_name=label_name)),
-            )
-            return {"exact": True, "not_exact": False}.get(result.verdict)
-
         params = [p for p in model.parameters() if p.requires_grad]
 
         def loss_with_graph(batch: Mapping[str, Any]) -> torch.Tensor:
-            with trainer.compute_loss_context_manager():
+            with _full_precision(trainer):
                 return trainer.compute_loss(model, dict(batch))
 
+        # Autocast stays on where Accelerate wrapped the model's forward in it: the tolerance is the precision's.
         dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if dtype is None:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        with isolated_probe(model), _undecided_on_out_of_memory(prior):
+        with isolated_probe(model), _undecided_on_out_of_memory(prior), _resharded_after(model):
             return measure_loss_normalisation(
                 loss_of,
                 prepared,
@@ -243,7 +254,6 @@ class TrainerLossRule:
                 prior=prior,
                 tolerance=tolerance_for(dtype),
                 label_name=label_name,
-                confirm=confirm,
                 reduce_max=reduce_max_over_ranks,
                 # Sharded engines own the gradients (their backward reduce-scatters into buffers of theirs): the
                 # loss values decide alone there.
@@ -307,8 +317,6 @@ class TrainerLossRule:
 
     def _report(self, trainer: Any, summary: str) -> None:
         logger.info("GradAccumTrainer: %s", summary)
-        if self.finding is not None:
-            trainer.log({"accumulator/loss_normalisation_seconds": self.finding.seconds})
         if not trainer.is_world_process_zero():
             return
         path = os.path.join(trainer.args.output_dir, CHECK_FILE_NAME)

@@ -1,6 +1,7 @@
-"""The first-window rules of `adapters/loss_rule.py` for a plain loop: `GradientAccumulator.backward(loss,
-batch=...)` weights a transformers model's micro-batches by what its loss is measured to divide by, with the same
-refusals, settled on the first micro-batch it is given (before that micro-batch's gradients are folded)."""
+"""`hf_gradaccum.GradientAccumulator`: the engine's accumulator, whose `backward(loss, batch=...)` weights a
+transformers model's micro-batches by what its loss is measured to divide by, with the refusals of
+`adapters/loss_rule.py`, settled on the first micro-batch it is given (before that micro-batch's gradients are
+folded)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.accumulator import GradientAccumulator as EngineAccumulator
 from ..engine.loss_normalisation import NONE, NormalisationFinding, measure_loss_normalisation
+from ..engine.reduction import world_size_and_rank
 from ..verification.isolation import isolated_probe
 from ..verification.split_invariance import tolerance_for
 from ..verification.windows import concat_window, take_rows
@@ -80,12 +83,16 @@ def settle_plain_loop_rule(
         )
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
 
+    device_type = next((p.device.type for p in base.parameters()), "cpu")
+
+    # Autocast off: the weighting does not depend on the precision, and the parameters' own separates rules best.
     def loss_of(part: Mapping[str, Any]) -> float:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
             return float(base(**part).loss.float())
 
     def loss_with_graph(part: Mapping[str, Any]) -> torch.Tensor:
-        return base(**part).loss
+        with torch.autocast(device_type=device_type, enabled=False):
+            return base(**part).loss
 
     params = [p for p in base.parameters() if p.requires_grad]
     with isolated_probe(base):
@@ -124,3 +131,34 @@ def settle_plain_loop_rule(
         )
     logger.info("GradientAccumulator: %s", finding.summary())
     return finding
+
+
+class GradientAccumulator(EngineAccumulator):
+    """
+    [`~hf_gradaccum.engine.accumulator.GradientAccumulator`] whose `backward(loss, batch=...)` measures, on the first
+    batch it is given, what a transformers model's loss divides by ([`settle_plain_loop_rule`]), and refuses a loss
+    no weighting makes exact before anything is accumulated. Its arguments are the engine class's.
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradientAccumulator
+    >>> accumulator = GradientAccumulator(model, gradient_accumulation_steps=8)  # doctest: +SKIP
+    >>> accumulator.backward(model(**batch).loss, batch=batch)  # doctest: +SKIP
+    >>> accumulator.normalisation.rule  # doctest: +SKIP
+    'shifted_label_tokens'
+    ```
+    """
+
+    def _settle_normalisation(self, batch: Mapping[str, Any], shift: bool | None) -> NormalisationFinding:
+        world, _ = world_size_and_rank(self._reduce_gradients, self._data_parallel_group)
+        return settle_plain_loop_rule(
+            self._model,
+            batch,
+            prior=self.prior_rule(batch, shift),
+            named=self.loss_normalisation,
+            batchnorm_statistics=self.batchnorm_statistics,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            world_size=world,
+            measure_gradients=not self.sharded and self._window is None,
+        )

@@ -879,6 +879,13 @@ class GradAccumTrainer(Trainer):
         self._training = True
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            # A refusal (or any error) inside a window leaves Accelerate's process-wide `sync_gradients` False, which
+            # the next trainer in this process would read as "mid-window".
+            gradient_state = getattr(self.accelerator, "gradient_state", None)
+            if hasattr(gradient_state, "_set_sync_gradients"):
+                gradient_state._set_sync_gradients(True)
+            raise
         finally:
             self._training = False
 

@@ -555,29 +555,25 @@ class GradientAccumulator:
         return count_items_in_batch(batch, shift_labels=bool(shift)) if count is None else count
 
     def _settle_normalisation(self, batch: Mapping[str, Any], shift: bool | None) -> NormalisationFinding:
-        """Measure, on the first batch given, what the model's loss divides by (or refuse: `plain_loop_rule.py`)."""
-        # The transformers-aware rules live with the adapters; the engine asks them only when handed a model's batch.
-        from ..adapters.plain_loop_rule import settle_plain_loop_rule
+        """What `backward(loss, batch=...)` weights by, from the first batch given. The engine alone counts as the
+        model's loss is recognised to (label tokens, shifted for a causal LM; rows without labels); the package's
+        `hf_gradaccum.GradientAccumulator` measures it instead (`adapters/plain_loop.py`)."""
+        if self.loss_normalisation != "auto":
+            return NormalisationFinding(rule=self.loss_normalisation, decided_by="declared", note="named")
+        return NormalisationFinding(rule=self.prior_rule(batch, shift), decided_by="prior", note="not measured")
 
+    @staticmethod
+    def prior_rule(batch: Mapping[str, Any], shift: bool | None) -> str:
+        """The rule the label count follows on `batch` (see [`count_items_in_batch`])."""
         labels = batch.get("labels")
-        token_level = torch.is_tensor(labels) and not labels.is_floating_point() and labels.dim() > 1
+        if batch.get("shift_labels") is not None:
+            return "label_tokens"
         if labels is None or (torch.is_tensor(labels) and labels.is_floating_point()):
-            prior = "rows"
-        elif isinstance(labels, (list, tuple)):
-            prior = "boxes"
-        else:
-            prior = "shifted_label_tokens" if token_level and shift else "label_tokens"
-        world, _ = world_size_and_rank(self._reduce_gradients, self._data_parallel_group)
-        return settle_plain_loop_rule(
-            self._model,
-            batch,
-            prior=prior,
-            named=self.loss_normalisation,
-            batchnorm_statistics=self.batchnorm_statistics,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            world_size=world,
-            measure_gradients=not self.sharded and self._window is None,
-        )
+            return "rows"
+        if isinstance(labels, (list, tuple)):
+            return "boxes"
+        token_level = torch.is_tensor(labels) and labels.dim() > 1
+        return "shifted_label_tokens" if token_level and shift else "label_tokens"
 
     def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
         if self._window is None:

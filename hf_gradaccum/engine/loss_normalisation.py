@@ -139,10 +139,9 @@ class NormalisationFinding:
     Attributes:
         rule: the rule training uses: a mean rule (`"label_tokens"`, `"rows"`, ...), `"sum"`, or `"none"` (no
             weighting makes the parts add up: a statistic of the batch, or terms with different counts).
-        decided_by: `"values"` (the loss values single it out), `"prior"` (several rules hold and give the same
-            weights on every row seen: the preferred one is kept), `"gradient"` (the values could not tell rules that
-            weigh differently apart; the gradient split check chose), `"undecided"` (nothing could be measured: the
-            prior is kept) or `"declared"` (named by the user).
+        decided_by: `"values"` (the loss values, and the first cut's gradients where measured, single it out),
+            `"prior"` (several rules hold: the preferred one is kept), `"undecided"` (nothing could be measured: the
+            prior is kept), `"registry"` (a registered loss of several terms) or `"declared"` (named by the user).
         residuals: rule -> the largest relative difference between a whole's loss and its parts' combination.
         gradient_residuals: rule -> the same for the gradient, on the first cut (the rules the values allow).
         consistent: the rules within `tolerance` on every cut.
@@ -288,7 +287,6 @@ def measure_loss_normalisation(
     prior: str,
     tolerance: float = 1e-5,
     label_name: str = "labels",
-    confirm: Callable[[str], bool | None] | None = None,
     reduce_max: Callable[[list[float]], list[float]] | None = None,
     gradient_residual: GradientResidual | None = None,
     max_cuts: int = 2,
@@ -306,8 +304,6 @@ def measure_loss_normalisation(
         concat: `concat(batches) -> (batch, sizes)`, micro-batches as one batch (`verification.windows.concat_window`).
         prior: the rule kept when several rules hold with the same weights on the data (the model's own count).
         tolerance: relative tolerance on loss values (rounding of a forward at another batch shape).
-        confirm: `confirm(rule)`: whether the gradient split check shows `rule` exact (`None`: cannot tell); asked
-            only when the values single out no weighting among rules that weigh differently.
         reduce_max: under several processes, the element-wise maximum over ranks of a list of floats, so every rank
             reaches the same verdict.
         gradient_residual: `gradient_residual([(batch, weight), ...])`: `||sum_i weight_i grad L(batch_i)||` relative
@@ -426,19 +422,12 @@ def measure_loss_normalisation(
             else:
                 finding.note = "the only weighting under which the parts add up to the whole"
         else:
-            finding.decided_by = "gradient"
-            verdicts = {}
-            for group in classes:
-                verdict = None if confirm is None else confirm(group[0])
-                verdicts[group[0]] = verdict
-                if verdict:
-                    finding.rule, finding.equivalent = group[0], group
-                    break
-            else:
-                finding.rule, finding.decided_by = NONE, "gradient"
+            # Rules that weigh differently all hold within the tolerance (a low precision, per-item losses that barely
+            # vary): none is shown wrong, so the preferred one (the trainer's own count first) is kept, and said so.
+            finding.rule, finding.decided_by, finding.equivalent = ordered[0], "prior", classes[0]
             finding.note = (
-                f"the loss values hold under weightings that differ ({', '.join(g[0] for g in classes)}); the "
-                f"gradient split check: {verdicts}"
+                f"the loss values and gradients hold within {tolerance:.1g} under weightings that differ "
+                f"({', '.join(g[0] for g in classes)}); kept {ordered[0]}"
             )
     finding.seconds = time.perf_counter() - start
     return finding
