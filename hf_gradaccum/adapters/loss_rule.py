@@ -27,6 +27,7 @@ from ..engine.loss_normalisation import (
     ROWS,
     SHIFTED_LABEL_TOKENS,
     SUM,
+    CutFailed,
     NormalisationFinding,
     batch_count,
     measure_loss_normalisation,
@@ -44,6 +45,7 @@ from .model_losses import (
     DetectionTerms,
     ModelLossError,
     WindowTerms,
+    check_contrastive_loss,
     contrastive_coupled_loss,
     in_model_contrastive,
     refuse_batchnorm,
@@ -158,7 +160,10 @@ class TrainerLossRule:
             return  # a declared (or sentence-transformers') window loss
         first = batches[0] if isinstance(batches[0], Mapping) else {}
         if in_model_contrastive(model, first):
-            trainer.use_coupled_loss(contrastive_coupled_loss(model))
+            coupled = contrastive_coupled_loss(model)
+            with isolated_probe(model):
+                check_contrastive_loss(coupled, model, trainer._prepare_inputs(first), 1e-4)
+            trainer.use_coupled_loss(coupled)
             self.rule = "coupled"
             self._report(trainer, f"{type(unwrap_model(model)).__name__}'s in-batch contrastive loss: coupled mode")
             return
@@ -173,6 +178,14 @@ class TrainerLossRule:
         else:
             try:
                 self.finding = self._measure(trainer, batches)
+            except CutFailed as failed:
+                raise ModelLossError(
+                    f"{type(unwrap_model(model)).__name__}: what its loss divides by could not be measured, because "
+                    f"its forward fails on some rows of a micro-batch ({failed}); rows of its batch may refer to one "
+                    "another (indices into the whole batch), which no weighting of micro-batches can follow. Stopped "
+                    "before the first optimizer step.\nFix: name the weighting you know is right "
+                    '(`loss_normalisation="rows"`, `"label_tokens"`, `"sum"`, ...), or `gradient_accumulation_steps=1`.'
+                ) from failed
             except _OutOfMemory as stopped:
                 self.finding = stopped.args[0]
                 logger.warning("GradAccumTrainer: %s; counting as %s.", self.finding.note, self.finding.rule)

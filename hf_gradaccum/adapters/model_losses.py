@@ -93,8 +93,14 @@ def _siglip_loss(reps: Mapping[str, torch.Tensor], model: nn.Module) -> torch.Te
 
 
 # Model class -> the window loss of its `return_loss=True` forward, from the embeddings it returns.
+# Each is checked against the model's own `return_loss=True` loss on the first micro-batch before it trains
+# (`check_contrastive_loss`).
 IN_MODEL_CONTRASTIVE_LOSSES: dict[str, Callable[[Mapping[str, torch.Tensor], nn.Module], torch.Tensor]] = {
     "CLIPModel": _clip_loss,
+    "ChineseCLIPModel": _clip_loss,
+    "AltCLIPModel": _clip_loss,
+    "BlipModel": _clip_loss,
+    "OwlViTModel": _clip_loss,
     "SiglipModel": _siglip_loss,
 }
 
@@ -129,6 +135,22 @@ def contrastive_coupled_loss(model: nn.Module) -> CoupledLoss:
     return CoupledLoss(_embeddings, loss)
 
 
+def check_contrastive_loss(coupled: CoupledLoss, model: nn.Module, batch: Mapping[str, Any], tolerance: float) -> None:
+    """Raise a `ModelLossError` unless the window loss computed from `model`'s embeddings of `batch` is the model's
+    own `return_loss=True` loss on it (the registry entry describes this model's loss)."""
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+        mine = float(coupled.loss_fn(coupled.embed_fn(model, batch), model))
+    if abs(own - mine) > tolerance * max(abs(own), 1e-12):
+        name = type(unwrap_model(model)).__name__
+        raise ModelLossError(
+            f"{name} computes an in-batch contrastive loss (`return_loss=True`), and the window loss registered for "
+            f"it does not reproduce it ({mine:.6g} from its embeddings, {own:.6g} from the model). Stopped before the "
+            "first optimizer step.\nFix: `GradAccumTrainer(..., coupled_loss=CoupledLoss(embed_fn, loss_fn))` with "
+            f"{name}'s loss over the window's embeddings (docs/coupled_losses.md)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- several terms
 @dataclass(frozen=True)
 class CrossEntropyTerm:
@@ -155,6 +177,7 @@ MODEL_LOSS_TERMS: dict[str, tuple[CrossEntropyTerm, ...]] = {
     "ErnieForPreTraining": (_MLM, CrossEntropyTerm("seq_relationship_logits", "next_sentence_label")),
     "MegatronBertForPreTraining": (_MLM, CrossEntropyTerm("seq_relationship_logits", "next_sentence_label")),
     "MobileBertForPreTraining": (_MLM, CrossEntropyTerm("seq_relationship_logits", "next_sentence_label")),
+    "FNetForPreTraining": (_MLM, CrossEntropyTerm("seq_relationship_logits", "next_sentence_label")),
     "AlbertForPreTraining": (_MLM, CrossEntropyTerm("sop_logits", "sentence_order_label")),
 }
 

@@ -27,8 +27,9 @@ from ..engine.items import count_items_in_batch
 from ..engine.moe_balance import RouterCounts, exact_aux_term, router_counts
 from ..engine.rng import capture_rng_state, restore_rng_state
 from .model_inspection import unwrap_model
+from .model_losses import ModelLossError
 
-__all__ = ["MoEWindowMode", "WindowRouterBalance", "adds_router_loss", "find_router_modules"]
+__all__ = ["MoEWindowMode", "WindowRouterBalance", "adds_router_loss", "find_router_modules", "window_router_mode"]
 
 
 def adds_router_loss(model: nn.Module) -> bool:
@@ -300,3 +301,28 @@ class MoEWindowMode:
         items = int(trainer.count_micro_batch_items(inputs))
         loss = loss + self.balance.aux_term(logits, inputs.get("attention_mask"), items).to(loss.device)
         return (loss, result[1]) if return_outputs else loss
+
+
+def window_router_mode(model: nn.Module, *, named: bool) -> MoEWindowMode:
+    """
+    The exact window mode for `model`'s router loss. A router it cannot read (top-1 routers without
+    `num_experts_per_tok`, encoder-decoder MoE) raises the `ValueError` naming it where the mode was asked for by
+    name, and a `ModelLossError` with the cause and the fix where `"auto"` chose it.
+
+    Example:
+
+    ```python
+    >>> mode = window_router_mode(mixtral_model, named=False)  # doctest: +SKIP
+    ```
+    """
+    try:
+        return MoEWindowMode(model)
+    except ValueError as error:
+        if named:
+            raise
+        raise ModelLossError(
+            f"{type(unwrap_model(model)).__name__} adds a router load-balancing loss, a statistic of its batch (per "
+            f"micro-batch another objective), and the exact window mode cannot read its routers ({error}). Stopped "
+            'before the first optimizer step.\nFix: `moe_load_balance="micro_batch"` to keep the per-micro-batch '
+            "router term knowingly, or `gradient_accumulation_steps=1` with the batch you want."
+        ) from error

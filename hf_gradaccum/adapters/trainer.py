@@ -81,7 +81,7 @@ from .loss_counting import (
 from .loss_handover import backward_through
 from .loss_rule import TrainerLossRule
 from .model_inspection import loss_shifts_labels
-from .moe import MoEWindowMode, adds_router_loss
+from .moe import MoEWindowMode, adds_router_loss, window_router_mode
 from .parallelism import data_parallel_group
 from .run_batch import RunBatchMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
@@ -171,10 +171,11 @@ class GradAccumTrainer(Trainer):
             )
         self.moe_mode: MoEWindowMode | None = None
         moe_balance = gradaccum_option(self.args, "moe_load_balance")
-        if moe_balance == "window" or (moe_balance == "auto" and adds_router_loss(self.model)):
+        accumulates = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
+        if moe_balance == "window" or (moe_balance == "auto" and accumulates and adds_router_loss(self.model)):
             # A router's load-balancing loss is a statistic of the batch: per micro-batch it is another objective.
             require_first_in_class_order(type(self), "moe_load_balance='window'")
-            self.moe_mode = MoEWindowMode(self.model)
+            self.moe_mode = window_router_mode(self.model, named=moe_balance == "window")
         # How the model's loss is normalised, settled on the first window (`adapters/loss_rule.py`).
         self._loss_rule = TrainerLossRule()
         require_private_names(self, CORE_PRIVATE_NAMES, "GradAccumTrainer")

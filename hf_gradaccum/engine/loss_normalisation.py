@@ -109,7 +109,11 @@ def batch_count(rule: str, batch: Mapping[str, Any], *, label_name: str = "label
             return None
         return _label_count(labels, shifted=rule == SHIFTED_LABEL_TOKENS)
     if rule.startswith("count:"):
-        return _label_count(batch.get(rule[len("count:") :]))
+        key = rule[len("count:") :]
+        value = batch.get(key)
+        if "mask" in key and torch.is_tensor(value) and not value.is_floating_point():
+            return value.ne(0).sum()  # attended (or masked) positions
+        return _label_count(value)
     raise ValueError(
         f"Unknown loss normalisation rule {rule!r}: expected one of {list(NAMED_RULES)} or 'count:<key>'."
     )
@@ -124,7 +128,10 @@ def candidate_rules(batch: Mapping[str, Any], *, label_name: str = "labels") -> 
         if batch_count(r, batch, label_name=label_name) is not None
     ]
     for key, value in batch.items():
-        if key in _INPUT_KEYS or key in (label_name, "shift_labels") or not torch.is_tensor(value):
+        if key in (label_name, "shift_labels") or not torch.is_tensor(value):
+            continue
+        # A loss may average over the attended tokens (a discriminator's per-token loss, ELECTRA's).
+        if key in _INPUT_KEYS and key != "attention_mask":
             continue
         if ("label" in key or "mask" in key) and _label_count(value) is not None:
             rules.append(f"count:{key}")
@@ -173,6 +180,14 @@ class NormalisationFinding:
 
     def summary(self) -> str:
         return f"loss normalisation: {self.rule} (decided by {self.decided_by}; {self.note})"
+
+
+class CutFailed(RuntimeError):
+    """The loss of a cut of a micro-batch could not be computed (its forward raised on some of its rows): its
+    normalisation cannot be measured. The original error is the cause."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
 
 
 @dataclass
@@ -332,8 +347,20 @@ def measure_loss_normalisation(
     forwards = 0
     # Two cuts: the gradients decide what the values leave open, and each cut more costs a micro-batch's forwards.
     cut_batches = window_cuts(batches, take_rows, concat)[:max_cuts]
-    for whole, part_a, part_b in cut_batches:
-        values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
+    for index, (whole, part_a, part_b) in enumerate(cut_batches):
+        try:
+            values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
+        except Exception as first_error:
+            # A forward that cannot take one row alone (a norm over a 1x1 map): cut the micro-batch in halves.
+            rows = _rows(whole)
+            if rows < 4:
+                raise CutFailed(first_error) from first_error
+            part_a, part_b = _rows_of(whole, take_rows, 0, rows // 2), _rows_of(whole, take_rows, rows // 2, rows)
+            cut_batches[index] = (whole, part_a, part_b)
+            try:
+                values = [float(loss_of(b)) for b in (whole, part_a, part_b)]
+            except Exception as error:
+                raise CutFailed(error) from error
         forwards += 3
         counts = {}
         for rule in candidates:
