@@ -26,6 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..engine.run_batch import RunBatchLayout
 from ..engine.run_batch_sampler import RunBatchSampler
+from ..engine.tensor_parallel import has_tensor_parallel_parameters
 from ..helpers.planning import halved_run_batch
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,14 @@ class RunBatchMode:
         """The mode for `trainer`, or `None` when its arguments leave `effective_batch_size` unset."""
         if getattr(trainer.args, "effective_batch_size", None) is None:
             return None
+        if has_tensor_parallel_parameters(list(trainer.model.parameters())):
+            # Ranks of one tensor-parallel group share their batch: the window's shares would be laid out over every
+            # process instead of over the data-parallel ranks alone.
+            raise ValueError(
+                "`effective_batch_size` cannot be used with tensor parallelism yet: its windows are split over every "
+                "process, while ranks of a tensor-parallel group share one batch. Set `per_device_train_batch_size` "
+                "and `gradient_accumulation_steps` instead (docs/engines_tp_hsdp.md)."
+            )
         resolve_run_batch_arguments(trainer.args, trainer.args.world_size)
         return cls(trainer)
 
