@@ -402,23 +402,28 @@ def measure_loss_normalisation(
         finding.seconds = time.perf_counter() - start
         return finding
     consistent = [r for r in candidates if residuals[r] <= tolerance]
+    preference = [prior, *[r for r in (ROWS, LABEL_TOKENS, SHIFTED_LABEL_TOKENS, BOXES, SUM) if r != prior]]
+    consistent.sort(key=lambda r: preference.index(r) if r in preference else len(preference))
     if consistent and gradient_residual is not None:
         # Loss values can add up while gradients do not (a term whose values barely vary, such as a detection
-        # head's class term at initialisation): the first cut's gradients decide among the rules the values allow.
-        if cut_batches:
-            gradient_residuals = _gradient_residuals(gradient_residual, cut_batches[0], cuts[0], consistent)
-        else:
-            gradient_residuals = _gradient_residuals(gradient_residual, (batches[0],) * 3, None, consistent)
-        if reduce_max is not None:
-            # NaN (out of memory on a rank) is carried as -1: unmeasured, the values decide alone.
-            values = reduce_max([-1.0 if math.isnan(v) else min(v, 1e30) for v in gradient_residuals.values()])
-            gradient_residuals = {r: (math.nan if v < 0 else v) for r, v in zip(consistent, values, strict=True)}
-        finding.gradient_residuals = gradient_residuals
-        forwards += 3 * len(consistent)
+        # head's class term at initialisation): the first cut's gradients decide, trying the rules the values allow
+        # in order of preference until one holds (three forwards and backwards each).
+        cut = cut_batches[0] if cut_batches else (batches[0],) * 3
+        holding = []
+        for rule in consistent:
+            found = _gradient_residuals(gradient_residual, cut, cuts[0] if cut_batches else None, [rule])[rule]
+            if reduce_max is not None:
+                # NaN (out of memory on a rank) is carried as -1: unmeasured, the values decide alone.
+                found = reduce_max([-1.0 if math.isnan(found) else min(found, 1e30)])[0]
+                found = math.nan if found < 0 else found
+            finding.gradient_residuals[rule] = found
+            forwards += 3
+            if not found > tolerance:
+                holding = [rule]
+                break
         finding.forwards = forwards
-        consistent = [r for r in consistent if not gradient_residuals[r] > tolerance]
+        consistent = holding
     finding.consistent = consistent
-    preference = [prior, *[r for r in (ROWS, LABEL_TOKENS, SHIFTED_LABEL_TOKENS, BOXES, SUM) if r != prior]]
     ordered = sorted(consistent, key=lambda r: preference.index(r) if r in preference else len(preference))
     repeat = (cut_batches[0][0], cuts[0].whole) if cut_batches else (batches[0], None)
     if not ordered and _random_forward(loss_of, *repeat, tolerance, reduce_max):
