@@ -71,6 +71,8 @@ def test_classification_of_real_runs():
     assert (crashed.verdict, crashed.message) == ("crashed", "RuntimeError: Could not infer dtype of dict")
 
 
+# Slow: `make test` keeps under 10 minutes; tests/test_model_losses.py trains ten of these families there.
+@pytest.mark.slow
 @pytest.mark.parametrize("family_id", KEY_FAMILIES)
 def test_key_families_are_exact_or_refused(family_id):
     row = run_family(find_family(family_id))
