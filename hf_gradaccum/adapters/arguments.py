@@ -17,12 +17,12 @@ from ..engine.loss_normalisation import NAMED_RULES
 from ..engine.loss_scaling import validate_loss_scaling
 from ..engine.moe_balance import MOE_LOAD_BALANCE_MODES, check_moe_load_balance
 from ..helpers.lr_scaling import LR_SCALING_RULES, check_lr_scaling_rule
-from .model_losses import BATCHNORM_MODES, check_batchnorm_mode
 from .run_batch import check_effective_batch_size, resolve_run_batch_arguments
 from .training_checks import validate_training_numbers
 
 VERIFY_MODES = ("off", "first_step", "every_n_steps")
 LOSS_NORMALISATIONS = ("auto", *NAMED_RULES)
+BATCHNORM_MODES = ("stop", "micro_batch")
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,9 @@ def validate_gradaccum_fields(args: Any) -> None:
     check_fsdp_reduce_schedule(gradaccum_option(args, "fsdp_reduce_schedule"))
     check_accumulation_path(gradaccum_option(args, "accumulation_path"))
     check_moe_load_balance(gradaccum_option(args, "moe_load_balance"))
-    check_batchnorm_mode(gradaccum_option(args, "batchnorm_statistics"))
+    batchnorm = gradaccum_option(args, "batchnorm_statistics")
+    if batchnorm not in BATCHNORM_MODES:
+        raise ValueError(f"`batchnorm_statistics` must be one of {list(BATCHNORM_MODES)}, got {batchnorm!r}.")
     normalisation = gradaccum_option(args, "loss_normalisation")
     if normalisation not in LOSS_NORMALISATIONS:
         raise ValueError(f"`loss_normalisation` must be one of {list(LOSS_NORMALISATIONS)}, got {normalisation!r}.")

@@ -208,10 +208,12 @@ class TrainerLossRule:
     def _model_loss_trains(trainer: Any) -> bool:
         """Whether the loss that trains is the model's own (or a user's subclass's), not a composed library
         trainer's, and the user declared no count of their own."""
-        from .trainer import GradAccumTrainer  # the adapter this rule serves
-
-        if type(trainer).count_micro_batch_items is not GradAccumTrainer.count_micro_batch_items:
-            return False
+        counter = type(trainer).count_micro_batch_items
+        if (counter.__module__, counter.__qualname__) != (
+            "hf_gradaccum.adapters.trainer",
+            "GradAccumTrainer.count_micro_batch_items",
+        ):
+            return False  # a user's override: a declaration
         if callable(getattr(trainer, "compute_loss_func", None)):
             return False
         cls = library_trainer(trainer)

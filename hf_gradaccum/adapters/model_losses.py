@@ -32,19 +32,10 @@ from ..engine.items import IGNORE_INDEX
 from .coupled import clip_window_loss
 from .model_inspection import unwrap_model
 
-BATCHNORM_MODES = ("stop", "micro_batch")
-
 
 class ModelLossError(ValueError):
     """A model whose loss no weighting of micro-batches makes the large batch's: raised before the first optimizer
     step (weights, optimizer state and checkpoints untouched), with the cause and the fix."""
-
-
-def check_batchnorm_mode(mode: str) -> str:
-    """Return `mode` if it is one of `BATCHNORM_MODES`, else raise a `ValueError` naming the argument."""
-    if mode not in BATCHNORM_MODES:
-        raise ValueError(f"`batchnorm_statistics` must be one of {list(BATCHNORM_MODES)}, got {mode!r}.")
-    return mode
 
 
 def training_batchnorms(model: nn.Module) -> list[str]:
