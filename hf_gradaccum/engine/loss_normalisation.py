@@ -5,12 +5,13 @@ count them after the one-token shift), over rows, over a count the data carries 
 per-sample means (CTC's `"mean"`: a mean over rows), a plain sum (CTC's `"sum"`), or no count at all (a statistic of
 the whole batch: BatchNorm, in-batch negatives, a router's load-balancing loss, terms with different counts).
 
-The loss values decide it without a backward. Cut a batch of rows into two parts `a` and `b`: a loss that is a mean
-over a count `c` satisfies `L(a+b) = (c_a L(a) + c_b L(b)) / (c_a + c_b)`, a sum satisfies `L(a+b) = L(a) + L(b)`,
-and a statistic of the batch satisfies neither. [`measure_loss_normalisation`] evaluates every candidate rule on
-such cuts of a window (forward passes only, under `torch.no_grad`) and returns the rule that holds, or `"none"`.
-Two rules whose counts are proportional on every row seen give the same weights there, so the data cannot tell them
-apart; the preferred one (the caller's prior) is then kept, and said so.
+Cut a batch of rows into two parts `a` and `b`: a loss that is a mean over a count `c` satisfies `L(a+b) = (c_a L(a)
++ c_b L(b)) / (c_a + c_b)`, a sum satisfies `L(a+b) = L(a) + L(b)`, and a statistic of the batch satisfies neither.
+[`measure_loss_normalisation`] evaluates every candidate rule on such cuts of a window with forward passes only
+(under `torch.no_grad`), then, where the caller can take gradients, checks the same identity on the first cut's
+gradients, which tell apart rules whose loss values barely differ. It returns the rule that holds, or `"none"`.
+Rules that weigh every row seen alike, or hold within the tolerance, cannot be told apart by the data; the preferred
+one (the caller's prior) is then kept, and said so.
 """
 
 from __future__ import annotations
