@@ -321,13 +321,6 @@ def test_composition_error_table(tmp_path):
     print("\n".join(rows))
 
 
-@pytest.mark.parametrize("loss_type", [("sigmoid", "sft"), ("aot",)])
-def test_dpo_batch_level_loss_types_are_refused(loss_type, tmp_path):
-    cls, kwargs = _dpo_trainer(GradAccumDPOTrainer, GradAccumDPOConfig, tmp_path, loss_type=loss_type)
-    with pytest.raises(ValueError, match="cannot be accumulated exactly"):
-        cls(**kwargs)
-
-
 @pytest.mark.slow
 def test_torch_compiled_peft_gpt2_matches_large_batch(tmp_path, monkeypatch):
     """`torch_compile=True` (dynamo with the eager backend: the model runs as an `OptimizedModule` without needing a

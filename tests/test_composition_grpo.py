@@ -77,8 +77,10 @@ def test_two_reward_functions(tmp_path):
     )
 
 
-@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
-def test_entropy_bonus_with_token_mean_losses(tmp_path, loss_type):
+# A token mean beside the bonus's token mean; and a mean over sequences, where the bonus gets a weight of its own
+# (`adapters/trl_loss_terms.py`).
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
+def test_entropy_bonus(tmp_path, loss_type):
     _check_both_orders(tmp_path, loss_type=loss_type, entropy_coef=0.1)
 
 
@@ -111,8 +113,8 @@ def test_rloo_equals_the_large_batch(tmp_path):
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
-        ({"loss_type": "grpo", "entropy_coef": 0.1}, "entropy_coef=0"),
-        ({"loss_type": "dr_grpo", "use_adaptive_entropy": True}, "entropy_coef=0"),
+        ({"loss_type": "grpo", "entropy_coef": 0.1, "spg": 2 * K}, "steps_per_generation"),
+        ({"loss_type": "dr_grpo", "use_adaptive_entropy": True}, "use_adaptive_entropy=False"),
         ({"loss_type": "dapo", "top_entropy_quantile": 0.5}, "top_entropy_quantile=1.0"),
         ({"loss_type": "dapo", "entropy_coef": 0.1, "spg": 2 * K}, "steps_per_generation"),
     ],

@@ -1,8 +1,9 @@
 """The composition registry (`hf_gradaccum/adapters/compositions.py`): one table of how each composed trainer and loss
 accumulates, kept in step with the feature slices that carry it out, and what happens to a composition it does not
-know. TRL's `CPOTrainer` (in `trl.experimental`, not in the registry) is the real unknown trainer: its loss is a mean
-over pairs plus `cpo_alpha` times a token mean of the chosen completions' NLL, so with `cpo_alpha=0` accumulation by
-pairs is exact, and with the default `cpo_alpha=1` it is not (the NLL's token mean is a statistic of the micro-batch).
+know. TRL's `CPOTrainer` (in `trl.experimental`) stands in for a real unknown trainer, with its registry rows and its
+per-term weighting taken away for those tests (`cpo_unknown`): its loss is a mean over pairs plus `cpo_alpha` times a
+token mean of the chosen completions' NLL, so with `cpo_alpha=0` accumulation by pairs is exact, and with the default
+`cpo_alpha=1` it is not without a weight per term (the NLL's token mean is a statistic of the micro-batch).
 One SGD(lr=1) step at b = 4, K = 3, fp32, against the stock trainer at GA = 1 with b x K; tolerance 1e-5 relative."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytest.importorskip("trl")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from hf_gradaccum import GradAccumFields, GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters import compositions  # noqa: E402
+from hf_gradaccum.adapters import compositions, trl_loss_terms  # noqa: E402
 from hf_gradaccum.adapters.compositions import (  # noqa: E402
     HOW,
     REGISTRY,
@@ -53,6 +54,16 @@ class CPOFirstGradAccum(CPOTrainer, GradAccumTrainer):
 
 
 ORDERS = {"gradaccum_first": GradAccumFirstCPO, "cpo_first": CPOFirstGradAccum}
+
+
+@pytest.fixture
+def cpo_unknown(monkeypatch):
+    """CPOTrainer as a trainer the registry does not know: no rows, no per-term weighting."""
+    for key in [key for key in REGISTRY if key[0] == "CPOTrainer"]:
+        monkeypatch.delitem(REGISTRY, key)
+    terms = tuple(term for term in trl_loss_terms.LOSS_TERMS if term.trainer != "CPOTrainer")
+    monkeypatch.setattr(trl_loss_terms, "LOSS_TERMS", terms)
+    monkeypatch.setattr(compositions, "LOSS_TERMS", terms)
 
 
 def _trainer(cls, output_dir, *, ga: int, batch: int, cpo_alpha: float, **options):
@@ -107,10 +118,13 @@ def test_cli_lists_every_registry_row(capsys):
     assert table == composition_table() + "\n"
     lines = table.splitlines()
     assert lines[0] == "| trainer | loss | accumulates by | what |" and len(lines) == 2 + len(REGISTRY)
-    assert "| DPOTrainer | aot | refused |" in table and "| GRPOTrainer | bnpo | items | completion tokens" in table
+    assert (
+        "| DPOTrainer | aot | window statistic |" in table
+        and "| GRPOTrainer | bnpo | items | completion tokens" in table
+    )
 
 
-def test_only_third_party_trainers_the_registry_does_not_know_are_unknown_compositions():
+def test_only_third_party_trainers_the_registry_does_not_know_are_unknown_compositions(cpo_unknown):
     class Mine(GradAccumTrainer):  # the user's own subclass: their loss, not a composition
         pass
 
@@ -136,7 +150,7 @@ def test_per_row_lists_are_cut_with_the_rows():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_unknown_exact_composition_is_checked_then_equals_the_large_batch(tmp_path):
+def test_unknown_exact_composition_is_checked_then_equals_the_large_batch(tmp_path, cpo_unknown):
     reference = _update(_trainer(CPOTrainer, tmp_path / "large", ga=1, batch=B * K, cpo_alpha=0.0))
     for order, cls in ORDERS.items():
         out = tmp_path / order
@@ -149,7 +163,7 @@ def test_unknown_exact_composition_is_checked_then_equals_the_large_batch(tmp_pa
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_unknown_composition_that_is_not_exact_stops_before_the_first_optimizer_step(tmp_path):
+def test_unknown_composition_that_is_not_exact_stops_before_the_first_optimizer_step(tmp_path, cpo_unknown):
     reference = _update(_trainer(CPOTrainer, tmp_path / "large", ga=1, batch=B * K, cpo_alpha=1.0))
     stock = _update(_trainer(CPOTrainer, tmp_path / "stock", ga=K, batch=B, cpo_alpha=1.0))
     # What the check protects against: stock accumulation is measurably off here.
@@ -171,7 +185,7 @@ def test_unknown_composition_that_is_not_exact_stops_before_the_first_optimizer_
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_check_can_be_turned_off_and_registered_compositions_skip_it(tmp_path, monkeypatch):
+def test_the_check_can_be_turned_off_and_registered_compositions_skip_it(tmp_path, monkeypatch, cpo_unknown):
     off = _trainer(GradAccumFirstCPO, tmp_path / "off", ga=K, batch=B, cpo_alpha=1.0, check_unknown_compositions=False)
     assert float(_update(off).norm()) > 0
     assert not os.path.exists(tmp_path / "off" / CHECK_FILE)
@@ -183,7 +197,7 @@ def test_the_check_can_be_turned_off_and_registered_compositions_skip_it(tmp_pat
     assert not os.path.exists(tmp_path / "registered" / CHECK_FILE)
 
 
-def test_registered_refusal_stops_construction_and_bad_registrations_are_named(tmp_path, monkeypatch):
+def test_registered_refusal_stops_construction_and_bad_registrations_are_named(tmp_path, monkeypatch, cpo_unknown):
     monkeypatch.setattr(compositions, "REGISTRY", dict(REGISTRY))
     register_composition("CPOTrainer", "sigmoid", "refused", "a reason", "a fix")
     with pytest.raises(CompositionError, match="CPOTrainer.*'sigmoid' a reason.*a fix"):

@@ -21,7 +21,7 @@ from hf_gradaccum import GradAccumTrainer  # noqa: E402
 from hf_gradaccum.adapters.composed_class import library_trainer  # noqa: E402
 from hf_gradaccum.adapters.compositions import CompositionError, unknown_composed_trainer  # noqa: E402
 from hf_gradaccum.adapters.loss_counting import WindowLossLog, hands_batch_to_loss_unchanged  # noqa: E402
-from tests.test_composition_registry import B, K, _trainer  # noqa: E402
+from tests.test_composition_registry import B, K, _trainer, cpo_unknown  # noqa: E402, F401 (a fixture)
 
 
 def _composed(*bases: type) -> type:
@@ -82,6 +82,7 @@ class BrokenLoss:
         raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
 
 
+@pytest.mark.usefixtures("cpo_unknown")
 def test_any_exception_inside_the_first_window_check_is_a_refusal(tmp_path):
     from trl.experimental.cpo import CPOTrainer
 

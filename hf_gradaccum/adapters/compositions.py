@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .composed_class import library_trainer, nearest_trainer_named
+from .composition_error import CompositionError
+from .trl_dpo_sorted import SORTED_LOSS_TYPES
 from .trl_grpo import LOSS_ITEMS
+from .trl_loss_terms import LOSS_TERMS
 
 __all__ = [
     "HOW",
@@ -42,10 +45,6 @@ __all__ = [
 ]
 
 HOW = ("items", "window statistic", "coupled", "refused")
-
-
-class CompositionError(ValueError):
-    """A composed trainer and loss that `GradAccumTrainer` cannot accumulate exactly (or could not show exact)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Accumulation:
     ```python
     >>> from hf_gradaccum.adapters.compositions import REGISTRY
     >>> REGISTRY["DPOTrainer", "aot"].how
-    'refused'
+    'window statistic'
     ```
     """
 
@@ -79,7 +78,6 @@ class Accumulation:
 
 
 _MODEL_MEAN = "the model's own mean: non-`-100` label tokens (shifted for causal LMs), one per row for sequence labels"
-_DPO_FIX = "Use a per-pair loss type (e.g. 'sigmoid'), or `gradient_accumulation_steps=1` with the batch you want."
 _GA1 = "`gradient_accumulation_steps=1` with the batch you want"
 
 
@@ -95,6 +93,17 @@ def _grpo_rows() -> dict[tuple[str, str], Accumulation]:
             "refused",
             "a loss type not in the table of what each GRPO loss averages over",
             "Use one of " + ", ".join(repr(t) for (n, t) in LOSS_ITEMS if n == "GRPOTrainer") + ".",
+        )
+    return rows
+
+
+def _loss_term_rows() -> dict[tuple[str, str], Accumulation]:
+    rows = {}
+    for term in LOSS_TERMS:
+        rows[term.trainer, term.option] = Accumulation(
+            "items",
+            f"{term.primary}, and {term.term} over {term.items}: each term weighted by its own count over the window "
+            "(adapters/trl_loss_terms.py)",
         )
     return rows
 
@@ -211,9 +220,14 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
     ("Seq2SeqTrainer", "*"): Accumulation("items", _MODEL_MEAN),
     ("SFTTrainer", "*"): Accumulation("items", "label tokens (completion-only and assistant-only masks included)"),
     ("DPOTrainer", "*"): Accumulation("items", "pairs (every per-pair loss type)"),
-    ("DPOTrainer", "sft"): Accumulation("refused", "a token mean over the micro-batch's chosen completions", _DPO_FIX),
-    ("DPOTrainer", "aot"): Accumulation("refused", "sorts the log-ratios across the micro-batch", _DPO_FIX),
-    ("DPOTrainer", "aot_unpaired"): Accumulation("refused", "sorts the log-ratios across the micro-batch", _DPO_FIX),
+    **{
+        ("DPOTrainer", loss): Accumulation(
+            "window statistic",
+            "pairs, with the log-ratios sorted over the window (a forward-only window pass; "
+            "adapters/trl_dpo_sorted.py)",
+        )
+        for loss in SORTED_LOSS_TYPES
+    },
     ("RewardTrainer", "*"): Accumulation("items", "pairs"),
     ("KTOTrainer", "apo_zero_unpaired"): Accumulation("items", "completions (desirable and undesirable)"),
     ("KTOTrainer", "kto"): Accumulation(
@@ -228,12 +242,7 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         "micro-batch's own",
     ),
     ("TPOTrainer", "*"): Accumulation("items", "triples of one prompt (chosen, rejected and reference rows)"),
-    ("TPOTrainer", "tpo_alpha"): Accumulation(
-        "refused",
-        "`tpo_alpha != 0` adds an NLL term that is a token mean over the micro-batch's reference completions, while "
-        "the preference term is a mean over its triples, so the two terms need different micro-batch weights",
-        f"Set `tpo_alpha=0`, or use {_GA1}.",
-    ),
+    ("CPOTrainer", "*"): Accumulation("items", "pairs (every loss type; `cpo_alpha=0`)"),
     ("BCOTrainer", "*"): Accumulation(
         "refused",
         "its reward baseline (`delta`) is a running mean updated with each batch's rewards just before that batch's "
@@ -241,6 +250,7 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         f"Use {_GA1}.",
     ),
     **_grpo_rows(),
+    **_loss_term_rows(),
     **_sentence_transformers_rows(),
 }
 
@@ -287,8 +297,9 @@ def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
         keys = [loss_types]
     else:
         keys = [str(t) for t in loss_types] if loss_types else ["*"]
-    if trainer_name == "TPOTrainer" and getattr(trainer.args, "tpo_alpha", 0.0) != 0.0:
-        keys.append("tpo_alpha")
+    for term in LOSS_TERMS:
+        if term.trainer == trainer_name and term.option != "*" and term.option not in keys and term.active(trainer):
+            keys.append(term.option)
     return keys
 
 

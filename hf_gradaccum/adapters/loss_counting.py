@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .composed_class import nearest_trainer_named
+from .composition_error import CompositionError
 
 # `training_step` implementations that only add a context around `Trainer.training_step` and pass their arguments on
 # unchanged (TRL 1.16's activation-offloading context), so the loss sees the very rows the loop handed over.
@@ -110,7 +111,7 @@ def divides_by_handed_count(trainer: Any) -> bool:
     return nearest_trainer_named(trainer, HANDED_COUNT_TRAINERS) is not None
 
 
-def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
+def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> CompositionError:
     """
     The `CompositionError` for an unknown composition whose parents rebuild the micro-batch before the loss: the
     first-window check can only split the batch the loop prefetched, which is not what their loss sees.
@@ -122,8 +123,6 @@ def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
     CompositionError: GradAccumTrainer does not know how GOLDTrainer (loss: 'nll') accumulates, and cannot check it: ...
     ```
     """
-    from .compositions import CompositionError  # imports this module's neighbours
-
     cls = type(trainer)
     rebuilt = [m for m in ("training_step", "_prepare_inputs") if _owner(cls, m) not in _PASS_THROUGH[m]]
     loss = getattr(trainer.args, "loss_type", None) or "its compute_loss"

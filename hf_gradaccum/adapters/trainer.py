@@ -86,8 +86,10 @@ from .parallelism import data_parallel_group
 from .run_batch import RunBatchMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
+from .trl_dpo_sorted import WindowSortedLoss, window_sorted_loss_for
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
+from .trl_loss_terms import WindowTermWeights, window_term_weights_for
 from .window_end import WindowEndAtClipping
 
 ACCUMULATOR_STATE_NAME = "accumulator_state.pt"
@@ -197,11 +199,27 @@ class GradAccumTrainer(Trainer):
         # TRL's online RL and distillation trainers (GRPO, RLOO, GMPO, Distillation) generate inside `_prepare_inputs`:
         # their loss is counted per loss type on the micro-batch it receives (`adapters/trl_grpo.py`).
         self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
+        # A loss of two terms with different denominators (TRL's NLL or entropy term beside a preference term): each
+        # term weighted by its own count over the window (`adapters/trl_loss_terms.py`).
+        self._loss_terms: WindowTermWeights | None = window_term_weights_for(self)
+        # DPO's `aot` losses sort the batch: sorted over the window (`adapters/trl_dpo_sorted.py`).
+        self._sorted_loss: WindowSortedLoss | None = window_sorted_loss_for(self)
         # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
         self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
         # DeepSpeed keeps the gradients itself: the window is made exact through the loss handed to its engine.
         self._deepspeed_window = DeepSpeedWindow(self) if deepspeed_enabled(self) else None
+        if self._deepspeed_window is not None and (self._loss_terms or self._sorted_loss) is not None:
+            what = (
+                f"adds {self._loss_terms.term.term}, a mean over {self._loss_terms.term.items}, to a mean over "
+                f"{self._loss_terms.term.primary}; the two terms need different micro-batch weights"
+                if self._loss_terms is not None
+                else f"sorts the batch ({self._sorted_loss.sorted_types}), which is answered from the window"
+            )
+            raise CompositionError(
+                f"{type(self).__name__} under DeepSpeed: its loss {what}, set at the loss, which DeepSpeed's engine "
+                "path does not reach. Stopped before any work. Fix: DDP or FSDP2, or `gradient_accumulation_steps=1`."
+            )
         if self._deepspeed_window is not None and (not self._count_at_prefetch or self._handed_count):
             # DeepSpeed back-propagates a loss already weighted by its items: the count must exist before the loss.
             raise CompositionError(
@@ -425,6 +443,7 @@ class GradAccumTrainer(Trainer):
         self._window_counts = {}
         # Before any count: the first window settles what the model's loss is normalised by (or stops).
         self._loss_rule.window_prefetched(self, batch_samples)
+        counts = None
         if self._count_at_prefetch or self._handed_count:
             # (Elsewhere the loss sees another batch than the one prefetched: it is counted there, not here.)
             try:
@@ -436,6 +455,12 @@ class GradAccumTrainer(Trainer):
                 # Reused at each micro-step: counting again there would read the device once per micro-batch.
                 self._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
         self._window_log.start(self._window_items_local if self._count_at_prefetch else None)
+        if self._loss_terms is not None:
+            # Every rank, every window: the terms' counts are summed over ranks.
+            prefetched = self._count_at_prefetch and counts is not None
+            self._loss_terms.start_window(self, batch_samples if prefetched else None, counts if prefetched else None)
+        if self._sorted_loss is not None and batch_samples:
+            self._sorted_loss.window_prefetched(self, batch_samples)  # forward-only, this rank's window
         if self._deepspeed_window is not None:
             self._deepspeed_window.window_prefetched(self._window_items_local)  # all ranks' items: one all-reduce
         if batch_samples and self._kto_baseline is not None:
@@ -599,7 +624,7 @@ class GradAccumTrainer(Trainer):
 
         rule = self._generation_accumulation
 
-        def present(loss_inputs: Any) -> tuple[float, Callable[[], None]]:
+        def count_and_present(loss_inputs: Any) -> tuple[float, Callable[[], None]]:
             if rule is not None:
                 return rule.present(self, loss_inputs)
             if num_items is not None:
@@ -607,6 +632,23 @@ class GradAccumTrainer(Trainer):
             if counted:  # recomputed after an fp16 overflow: the same inputs, already counted
                 return counted[0], lambda: None
             return self.count_micro_batch_items(loss_inputs), lambda: None
+
+        def present(loss_inputs: Any) -> tuple[float, Callable[[], None]]:
+            items, restore = count_and_present(loss_inputs)
+            if not self._training:
+                return items, restore
+            restores = [restore]
+            if self._loss_terms is not None:
+                restores.append(self._loss_terms.scale(self, loss_inputs, items))
+            if self._sorted_loss is not None:
+                # (The batch the loop handed over: the loss's own inputs are its copy on the device.)
+                restores.append(self._sorted_loss.present(self, inputs))
+
+            def restore_all() -> None:
+                for undo in reversed(restores):
+                    undo()
+
+            return items, restore_all
 
         def items_for_loss(items: float) -> torch.Tensor | None:
             return parent_items if self._handed_count else self._num_items_for_parent(items)

@@ -36,12 +36,13 @@ batch on all ranks, rescaled by `current_gradient_accumulation_steps / (steps_pe
   over, so each is weighted by it. The entropy bonus (a mean over the micro-batch's own tokens) then needs a
   different weight and is refused.
 
-Refused (a `ValueError` at construction, when `gradient_accumulation_steps > 1`), because no weighting of
+Refused (a `CompositionError`, a `ValueError`, at construction, when `gradient_accumulation_steps > 1`), because no weighting of
 micro-batches reproduces them on the large batch:
 
-- the entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy`) with a per-sequence loss, or with `dapo`,
-  `cispo`, `vespo` when `steps_per_generation != gradient_accumulation_steps`: its token mean and the policy's mean
-  need different weights;
+- the adaptive entropy bonus (`use_adaptive_entropy`) with a per-sequence loss, or any entropy bonus with `dapo`,
+  `cispo`, `vespo`, or a per-sequence loss, when `steps_per_generation != gradient_accumulation_steps`: its token
+  mean and the policy's mean need different weights (a static `entropy_coef` beside a per-sequence loss gets a weight
+  of its own: `adapters/trl_loss_terms.py`);
 - `top_entropy_quantile < 1`: the entropy threshold is a quantile over the micro-batch's tokens;
 - an MoE router auxiliary loss (`router_aux_loss_coef != 0` on a model with `output_router_logits`): a statistic of
   the micro-batch's routing;
@@ -60,6 +61,7 @@ import torch
 
 from .arguments import gradaccum_option
 from .composed_class import nearest_trainer_named
+from .composition_error import CompositionError
 
 SEQUENCES = "sequences"
 COMPLETION_TOKENS = "completion tokens"
@@ -206,9 +208,9 @@ def _generation_trainer_name(trainer: Any) -> str | None:
     return nearest_trainer_named(trainer, GENERATION_TRAINERS)
 
 
-def _refuse(trainer_name: str, loss_type: str | None, why: str, fix: str) -> ValueError:
+def _refuse(trainer_name: str, loss_type: str | None, why: str, fix: str) -> CompositionError:
     loss = f" with `loss_type={loss_type!r}`" if loss_type else ""
-    return ValueError(
+    return CompositionError(
         f"GradAccumTrainer cannot make {trainer_name}{loss} exact under gradient accumulation: {why}. {fix}"
     )
 
@@ -273,14 +275,29 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
             "statistic of the micro-batch",
             "Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` with the batch you want.",
         )
-    if getattr(trainer, "_entropy_bonus_enabled", False) and loss_items.items != COMPLETION_TOKENS:
+    if getattr(args, "use_adaptive_entropy", False) and loss_items.items != COMPLETION_TOKENS:
+        # A static `entropy_coef` is weighted per term (`adapters/trl_loss_terms.py`); the adaptive controller
+        # changes the coefficient inside the loss, where that weight is applied.
         raise _refuse(
             name,
             loss_type,
-            "the entropy bonus is a mean over completion tokens while this loss is a mean over sequences, so the two "
-            "terms need different micro-batch weights",
-            "Use a token-mean loss type ('bnpo', 'dapo', 'cispo', 'vespo') with the entropy bonus, or set "
-            "`entropy_coef=0` and `use_adaptive_entropy=False`.",
+            "the adaptive entropy bonus is a mean over completion tokens while this loss is a mean over sequences, "
+            "so the bonus needs a weight of its own per micro-batch, and the adaptive controller rewrites the "
+            "coefficient that carries it inside the loss",
+            "Use a token-mean loss type ('bnpo', 'dapo', 'cispo', 'vespo') with the adaptive bonus, or a static "
+            "`entropy_coef` (`use_adaptive_entropy=False`).",
+        )
+    if (
+        getattr(args, "entropy_coef", 0.0) != 0.0
+        and loss_items.items != COMPLETION_TOKENS
+        and args.steps_per_generation != args.gradient_accumulation_steps
+    ):
+        raise _refuse(
+            name,
+            loss_type,
+            "the entropy bonus is weighted by the window's completion tokens, read from the generation batch, and "
+            "with `steps_per_generation != gradient_accumulation_steps` the generation batch is not the window",
+            "Set `steps_per_generation` equal to `gradient_accumulation_steps`, or `entropy_coef=0`.",
         )
     if (
         getattr(trainer, "_entropy_bonus_enabled", False)
