@@ -115,7 +115,7 @@ def test_rloo_equals_the_large_batch(tmp_path):
     [
         ({"loss_type": "grpo", "entropy_coef": 0.1, "spg": 2 * K}, "steps_per_generation"),
         ({"loss_type": "dr_grpo", "use_adaptive_entropy": True}, "use_adaptive_entropy=False"),
-        ({"loss_type": "dapo", "top_entropy_quantile": 0.5}, "top_entropy_quantile=1.0"),
+        ({"loss_type": "dapo", "top_entropy_quantile": 0.5, "spg": 2 * K}, "top_entropy_quantile=1.0"),
         ({"loss_type": "dapo", "entropy_coef": 0.1, "spg": 2 * K}, "steps_per_generation"),
     ],
 )

@@ -628,6 +628,15 @@ CASES += [
         settings={**_RL, "loss_type": "bnpo", "top_entropy_quantile": 0.5},
         build=rl_build,
         batch_settings=_generation_window,
+        fast=True,
+    ),
+    ZooCase(
+        trainer="trl:GRPOTrainer",
+        config="trl:GRPOConfig",
+        variant="top_entropy_quantile=0.5 + entropy_coef",
+        settings={**_RL, "loss_type": "grpo", "top_entropy_quantile": 0.5, "entropy_coef": 0.1},
+        build=rl_build,
+        batch_settings=_generation_window,
         expect="refused",
     ),
     ZooCase(

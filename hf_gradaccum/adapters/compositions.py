@@ -250,6 +250,11 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         f"Use {_GA1}.",
     ),
     **_grpo_rows(),
+    ("GRPOTrainer", "top_entropy_quantile"): Accumulation(
+        "window statistic",
+        "the loss type's items, with the entropy threshold the window's quantile over all ranks (a forward-only "
+        "window pass at its first loss; adapters/trl_grpo_entropy.py)",
+    ),
     **_loss_term_rows(),
     **_sentence_transformers_rows(),
 }
@@ -297,6 +302,8 @@ def _loss_keys(trainer: Any, trainer_name: str) -> list[str]:
         keys = [loss_types]
     else:
         keys = [str(t) for t in loss_types] if loss_types else ["*"]
+    if trainer_name == "GRPOTrainer" and getattr(trainer.args, "top_entropy_quantile", 1.0) < 1.0:
+        keys.append("top_entropy_quantile")
     for term in LOSS_TERMS:
         if term.trainer == trainer_name and term.option != "*" and term.option not in keys and term.active(trainer):
             keys.append(term.option)

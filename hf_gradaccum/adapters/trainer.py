@@ -88,6 +88,7 @@ from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_dpo_sorted import WindowSortedLoss, window_sorted_loss_for
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
+from .trl_grpo_entropy import WindowEntropyQuantile, window_entropy_quantile_for
 from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
 from .trl_loss_terms import WindowTermWeights, window_term_weights_for
 from .window_end import WindowEndAtClipping
@@ -204,6 +205,8 @@ class GradAccumTrainer(Trainer):
         self._loss_terms: WindowTermWeights | None = window_term_weights_for(self)
         # DPO's `aot` losses sort the batch: sorted over the window (`adapters/trl_dpo_sorted.py`).
         self._sorted_loss: WindowSortedLoss | None = window_sorted_loss_for(self)
+        # GRPO's `top_entropy_quantile < 1`: the window's quantile (`adapters/trl_grpo_entropy.py`).
+        self._entropy_quantile: WindowEntropyQuantile | None = window_entropy_quantile_for(self)
         # TRL's KTOTrainer with a KL term: the window's baseline, shared by its micro-batches (`adapters/trl_kto.py`).
         self._kto_baseline: WindowKLBaseline | None = window_kl_baseline_for(self)
         check_trainer_engine(self)
@@ -459,6 +462,8 @@ class GradAccumTrainer(Trainer):
             # Every rank, every window: the terms' counts are summed over ranks.
             prefetched = self._count_at_prefetch and counts is not None
             self._loss_terms.start_window(self, batch_samples if prefetched else None, counts if prefetched else None)
+        if self._entropy_quantile is not None:
+            self._entropy_quantile.start_window()
         if self._sorted_loss is not None and batch_samples:
             self._sorted_loss.window_prefetched(self, batch_samples)  # forward-only, this rank's window
         if self._deepspeed_window is not None:
@@ -640,6 +645,8 @@ class GradAccumTrainer(Trainer):
             restores = [restore]
             if self._loss_terms is not None:
                 restores.append(self._loss_terms.scale(self, loss_inputs, items))
+            if self._entropy_quantile is not None:
+                restores.append(self._entropy_quantile.present(self))
             if self._sorted_loss is not None:
                 # (The batch the loop handed over: the loss's own inputs are its copy on the device.)
                 restores.append(self._sorted_loss.present(self, inputs))

@@ -43,7 +43,8 @@ micro-batches reproduces them on the large batch:
   `cispo`, `vespo`, or a per-sequence loss, when `steps_per_generation != gradient_accumulation_steps`: its token
   mean and the policy's mean need different weights (a static `entropy_coef` beside a per-sequence loss gets a weight
   of its own: `adapters/trl_loss_terms.py`);
-- `top_entropy_quantile < 1`: the entropy threshold is a quantile over the micro-batch's tokens;
+- `top_entropy_quantile < 1` where the window is not one generation batch, or beside an entropy bonus (the
+  quantile itself is taken over the window: `adapters/trl_grpo_entropy.py`);
 - an MoE router auxiliary loss (`router_aux_loss_coef != 0` on a model with `output_router_logits`): a statistic of
   the micro-batch's routing;
 - `auto_find_batch_size=True`: an out-of-memory redo of the window would generate again;
@@ -266,14 +267,6 @@ def generation_accumulation_for(trainer: Any) -> GenerationBatchAccumulation | N
             loss_type,
             "the MoE router auxiliary loss is a statistic of each micro-batch's routing, not a mean over its items",
             "Set `router_aux_loss_coef=0`, or `gradient_accumulation_steps=1` with the batch you want.",
-        )
-    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise _refuse(
-            name,
-            loss_type,
-            "`top_entropy_quantile < 1` keeps the tokens above a quantile of each micro-batch's entropies, a "
-            "statistic of the micro-batch",
-            "Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` with the batch you want.",
         )
     if getattr(args, "use_adaptive_entropy", False) and loss_items.items != COMPLETION_TOKENS:
         # A static `entropy_coef` is weighted per term (`adapters/trl_loss_terms.py`); the adaptive controller
