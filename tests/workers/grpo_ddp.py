@@ -6,7 +6,10 @@ over the batch's completion tokens, which is what `bnpo` is on one batch and wha
 `steps_per_generation == gradient_accumulation_steps` (its divisor is the batch's tokens on all ranks). Stock TRL at
 GA = 1 under DDP averages the ranks' token means instead for `bnpo`, so it is not the reference here.
 
-Usage: `accelerate launch ... tests/workers/grpo_ddp.py OUTPUT_DIR LOSS_TYPE ORDER`.
+With `grpo` (a mean over sequences) and an entropy bonus (a mean over completion tokens), TRL's own loss on the one
+batch is the reference as it stands: each term is then a mean over all of the batch's sequences or tokens.
+
+Usage: `accelerate launch ... tests/workers/grpo_ddp.py OUTPUT_DIR LOSS_TYPE ORDER [ENTROPY_COEF]`.
 """
 
 import sys
@@ -41,9 +44,9 @@ def one_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
     }
 
 
-def main(output_dir: str, loss_type: str, order: str) -> None:
+def main(output_dir: str, loss_type: str, order: str, entropy_coef: str = "0") -> None:
     warnings.filterwarnings("ignore")
-    args = grpo_args(output_dir, ga=3, batch=4, loss_type=loss_type)
+    args = grpo_args(output_dir, ga=3, batch=4, loss_type=loss_type, entropy_coef=float(entropy_coef))
     run = train_grpo(GRPO_ORDERS[order], args)
     trainer = run.trainer
     assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel", type(trainer.model_wrapped)
@@ -61,7 +64,8 @@ def main(output_dir: str, loss_type: str, order: str) -> None:
     model.load_state_dict(run.initial_state)
     model.zero_grad()
     trainer.current_gradient_accumulation_steps = 1
-    trainer.loss_type = "bnpo"  # the token mean over the batch (see the module docstring)
+    if loss_type == "dapo":
+        trainer.loss_type = "bnpo"  # the token mean over the batch (see the module docstring)
     trainer._compute_loss(model, batch).backward()
     params = [p for p in model.parameters() if p.requires_grad]
     reference = -torch.cat(
@@ -70,10 +74,11 @@ def main(output_dir: str, loss_type: str, order: str) -> None:
     error = float((run.update - reference).norm() / reference.norm())
     if dist.get_rank() == 0:
         print(
-            f"DDP x2 {order} GRPO {loss_type}: completion tokens per micro-batch {tokens}, relative update error {error:.2e}"
+            f"DDP x2 {order} GRPO {loss_type}, entropy_coef {entropy_coef}: completion tokens per micro-batch "
+            f"{tokens}, relative update error {error:.2e}"
         )
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
     leave_process_group_and_exit(0)  # an exit that cannot abort in gloo's teardown
