@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .composed_class import library_trainer, nearest_trainer_named
+from .trl_generating import REGISTRY_ROWS as GENERATING_ROWS
 from .trl_grpo import LOSS_ITEMS
 
 __all__ = [
@@ -241,6 +242,8 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         f"Use {_GA1}.",
     ),
     **_grpo_rows(),
+    # TRL's trainers that generate or rebuild their batch in a micro-step (adapters/trl_generating.py).
+    **{key: Accumulation(*row) for key, row in GENERATING_ROWS.items()},
     **_sentence_transformers_rows(),
 }
 
