@@ -505,6 +505,7 @@ CASES += [
         variant="default",
         settings={"max_new_tokens": 6},
         build=online_dpo_build,
+        fast=True,
     ),
 ]
 

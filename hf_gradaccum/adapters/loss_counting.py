@@ -120,8 +120,8 @@ def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> ValueError:
     Example:
 
     ```python
-    >>> raise refuse_rebuilt_micro_batches(trainer, "GOLDTrainer")  # doctest: +SKIP
-    CompositionError: GradAccumTrainer does not know how GOLDTrainer (loss: 'nll') accumulates, and cannot check it: ...
+    >>> raise refuse_rebuilt_micro_batches(trainer, "MyGeneratingTrainer")  # doctest: +SKIP
+    CompositionError: GradAccumTrainer does not know how MyGeneratingTrainer (loss: 'nll') accumulates, and cannot check it: ...
     ```
     """
     from .compositions import CompositionError  # imports this module's neighbours
