@@ -43,7 +43,8 @@ REGISTRY_ROWS: dict[tuple[str, str], tuple[str, str, str | None]] = {
         "items",
         "label tokens of the window the loop hands over (each of its `gradient_accumulation_steps` slices weighted "
         "by an equal share, handed to the loss as its own): stock GOLD divides the divergence, offline or over "
-        "generated tokens, by the window's count; on- or off-policy is drawn per slice, as at stock GA = K",
+        "generated tokens, by the window's count; on- or off-policy is drawn per slice, as at stock GA = K; the "
+        "cross-tokenizer ULD loss, normalised per micro-batch, is refused",
         None,
     ),
     ("IWOPDTrainer", "*"): (
@@ -222,6 +223,19 @@ def rebuilt_batch_accumulation_for(trainer: Any) -> Any | None:
                 "the split-invariance check needs model-ready micro-batches, and this trainer builds them itself",
                 "Set `verify_accumulation='off'`; its weighting is known exact (hf_gradaccum/adapters/trl_generating.py).",
             )
+    if (
+        name == "GOLDTrainer"
+        and args.gradient_accumulation_steps > 1
+        and getattr(trainer, "use_uld_loss", False)
+        and getattr(trainer, "teacher_tokenizer", None) is not None
+    ):
+        raise _refuse(
+            name,
+            "its cross-tokenizer ULD loss (`use_uld_loss=True` with a teacher tokenizer) is normalised within each "
+            "micro-batch and ignores the count it is handed",
+            "Use a teacher that shares the student's tokenizer (the JSD loss), or `gradient_accumulation_steps=1` "
+            "with the batch you want.",
+        )
     if name in HANDED_WINDOW_TRAINERS:
         return None
     if name == "A2POTrainer":
