@@ -4,8 +4,8 @@ the whole window (relative update difference <= 1e-5, fp32, tiny random-init mod
 generating trainers, the same generations), or refused with a `CompositionError` before its first optimizer step.
 None trains silently wrong, none crashes. See `tests/trl_zoo_cases.py` for the cases and the generation stand-in.
 
-The default run keeps the trainers that trained silently wrong or crashed before counting moved to the loss (GKD
-on-policy, GMPO, Distillation, GOLD, IW-OPD, A*-PO, SDFT, SDPO) and TPO; the full zoo is `slow`
+The default run keeps the trainers that trained silently wrong, crashed or were refused before counting moved to the
+loss (GKD on-policy, GMPO, Distillation, GOLD, IW-OPD, A*-PO, SDFT, SDPO) and TPO; the full zoo is `slow`
 (`pytest tests/test_trl_zoo.py -m slow`; the table: `python benchmarks/trl_zoo.py`).
 """
 

@@ -144,6 +144,57 @@ class DeterministicCompletions:
         return generated, attention_mask, labels
 
 
+def _deterministic_generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+    """`model.generate` of `DeterministicGeneration`: each left-padded prompt row gets `completion_of` its own tokens
+    (the n-th repeat of a prompt within one call gets the n-th variant, so that the copies of a prompt that a trainer
+    samples twice differ), padded on the right to `max_new_tokens` with the pad token, as sampling would leave it."""
+    config = generation_config or self.generation_config
+    repeats = getattr(config, "num_return_sequences", None) or 1
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
+    width = config.max_new_tokens
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    completions = torch.full((input_ids.shape[0], width), pad, dtype=input_ids.dtype, device=input_ids.device)
+    seen: dict[tuple[int, ...], int] = {}
+    for i, (row, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
+        prompt = tuple(row[mask.bool()].tolist())
+        variant = seen.get(prompt, 0)
+        seen[prompt] = variant + 1
+        tokens = completion_of([*prompt, 4 + variant] if variant else list(prompt))[:width]
+        completions[i, : len(tokens)] = torch.tensor(tokens)
+    sequences = torch.cat([input_ids, completions], dim=1)
+    if kwargs.get("return_dict_in_generate"):
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+class DeterministicGeneration:
+    """Generation stand-in at the model: the trainer's `model` (and every copy of it, such as a reference model) gets
+    a `generate` that returns `completion_of(prompt)` for each row, so that trainers that sample through
+    `model.generate` per micro-batch (A*-PO, IW-OPD, GOLD, Online DPO) train on the same completions at GA = 1 and
+    GA = K. Everything after `generate` (masks, labels, rewards, the loss) is the trainer's own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        model = kwargs["model"]
+        kwargs["model"] = model
+        model.__class__ = type(
+            f"Deterministic{type(model).__name__}", (type(model),), {"generate": _deterministic_generate}
+        )
+        super().__init__(*args, **kwargs)
+
+
+class LeftPaddingTokenizer:
+    """The tokenizer pads on the left, as A*-PO's own when it loads one: it pads each micro-batch's prompts itself,
+    and right padding would put the completions of shorter prompts at other positions in a wider batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["processing_class"].padding_side = "left"
+        super().__init__(*args, **kwargs)
+
+
 COMMON = dict(
     learning_rate=1.0,
     optim="sgd",
@@ -423,7 +474,6 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.gold:GOLDTrainer",
-        expect="refused",
         config=f"{_X}.gold:GOLDConfig",
         variant="offline (lmbda=0)",
         settings={"lmbda": 0.0, "max_completion_length": 6, "use_extended_uld": False},
@@ -432,7 +482,7 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.iw_opd:IWOPDTrainer",
-        expect="refused",
+        mixins=(DeterministicGeneration,),
         config=f"{_X}.iw_opd:IWOPDConfig",
         variant="default",
         settings={"max_completion_length": 6},
@@ -449,7 +499,6 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.sdpo:SDPOTrainer",
-        expect="refused",
         config=f"{_X}.sdpo:SDPOConfig",
         variant="default",
         settings={**_RL},
@@ -458,7 +507,7 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.a2po:A2POTrainer",
-        expect="refused",
+        mixins=(DeterministicGeneration, LeftPaddingTokenizer),
         config=f"{_X}.a2po:A2POConfig",
         variant="default",
         settings={"max_completion_length": 6},
@@ -467,11 +516,12 @@ CASES += [
     ),
     ZooCase(
         trainer=f"{_X}.online_dpo:OnlineDPOTrainer",
-        expect="refused",
+        mixins=(DeterministicGeneration,),
         config=f"{_X}.online_dpo:OnlineDPOConfig",
         variant="default",
         settings={"max_new_tokens": 6},
         build=online_dpo_build,
+        fast=True,
     ),
 ]
 
@@ -646,6 +696,42 @@ CASES += [
         settings={**_RL, "beta": 0.0},
         build=rl_build,
         batch_settings=_generation_window,
+    ),
+]
+
+# Trainers that generate or rebuild their batch in a micro-step, beyond the defaults above.
+CASES += [
+    ZooCase(
+        trainer=f"{_X}.gold:GOLDTrainer",
+        config=f"{_X}.gold:GOLDConfig",
+        variant="on-policy (lmbda=1)",
+        settings={"lmbda": 1.0, "max_completion_length": 6, "use_extended_uld": False},
+        build=gkd_build,
+        mixins=(DeterministicGeneration,),
+    ),
+    ZooCase(
+        trainer=f"{_X}.a2po:A2POTrainer",
+        config=f"{_X}.a2po:A2POConfig",
+        variant="right-padding tokenizer",
+        settings={"max_completion_length": 6},
+        build=rl_build,
+        mixins=(DeterministicGeneration,),
+        expect="refused",
+    ),
+    ZooCase(
+        trainer=f"{_X}.sdpo:SDPOTrainer",
+        config=f"{_X}.sdpo:SDPOConfig",
+        variant="policy loss (distillation_weight=0, dapo)",
+        settings={**_RL, "distillation_weight": 0.0, "loss_type": "dapo"},
+        build=sdpo_build,
+    ),
+    ZooCase(
+        trainer=f"{_X}.sdpo:SDPOTrainer",
+        config=f"{_X}.sdpo:SDPOConfig",
+        variant="mixed (distillation_weight=0.5, dapo)",
+        settings={**_RL, "distillation_weight": 0.5, "loss_type": "dapo"},
+        build=sdpo_build,
+        expect="refused",
     ),
 ]
 

@@ -29,6 +29,7 @@ from typing import Any
 from .composed_class import library_trainer, nearest_trainer_named
 from .composition_error import CompositionError
 from .trl_dpo_sorted import SORTED_LOSS_TYPES
+from .trl_generating import REGISTRY_ROWS as GENERATING_ROWS
 from .trl_grpo import LOSS_ITEMS
 from .trl_loss_terms import LOSS_TERMS
 
@@ -256,6 +257,8 @@ REGISTRY: dict[tuple[str, str], Accumulation] = {
         "window pass at its first loss; adapters/trl_grpo_entropy.py)",
     ),
     **_loss_term_rows(),
+    # TRL's trainers that generate or rebuild their batch in a micro-step (adapters/trl_generating.py).
+    **{key: Accumulation(*row) for key, row in GENERATING_ROWS.items()},
     **_sentence_transformers_rows(),
 }
 

@@ -91,8 +91,10 @@ def training_step_passes_through(trainer: Any) -> bool:
 # Trainers whose loss divides by the `num_items_in_batch` the Trainer hands it, counted on the batch the loop handed to
 # `training_step`, even where their `training_step` then replaces the rows (TRL's GKD generates on-policy or `seq_kd`
 # completions and still divides their divergence by the dataset batch's label count). The large batch they define is
-# that: the micro-batch is weighted by that count and handed it as its own.
-HANDED_COUNT_TRAINERS = ("GKDTrainer",)
+# that: the micro-batch is weighted by that count and handed it as its own. GOLD and IW-OPD divide by the count of the
+# window the loop hands over at every micro-step, of which each micro-batch takes an equal share
+# (`adapters/trl_generating.py`).
+HANDED_COUNT_TRAINERS = ("GKDTrainer", "GOLDTrainer", "IWOPDTrainer")
 
 
 def divides_by_handed_count(trainer: Any) -> bool:
@@ -119,8 +121,8 @@ def refuse_rebuilt_micro_batches(trainer: Any, trainer_name: str) -> Composition
     Example:
 
     ```python
-    >>> raise refuse_rebuilt_micro_batches(trainer, "GOLDTrainer")  # doctest: +SKIP
-    CompositionError: GradAccumTrainer does not know how GOLDTrainer (loss: 'nll') accumulates, and cannot check it: ...
+    >>> raise refuse_rebuilt_micro_batches(trainer, "MyGeneratingTrainer")  # doctest: +SKIP
+    CompositionError: GradAccumTrainer does not know how MyGeneratingTrainer (loss: 'nll') accumulates, and cannot check it: ...
     ```
     """
     cls = type(trainer)

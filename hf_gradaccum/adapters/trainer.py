@@ -87,6 +87,7 @@ from .run_batch import RunBatchMode
 from .sharding import check_trainer_engine, trainer_shards_gradients
 from .step_gating import SkippedStepCallback, WindowGradScaler
 from .trl_dpo_sorted import WindowSortedLoss, window_sorted_loss_for
+from .trl_generating import handed_window_share, rebuilt_batch_accumulation_for
 from .trl_grpo import GenerationBatchAccumulation, generation_accumulation_for
 from .trl_grpo_entropy import WindowEntropyQuantile, window_entropy_quantile_for
 from .trl_kto import WindowKLBaseline, install_window_pairing, window_kl_baseline_for
@@ -199,7 +200,12 @@ class GradAccumTrainer(Trainer):
             raise refuse_rebuilt_micro_batches(self, self._unknown_composition)
         # TRL's online RL and distillation trainers (GRPO, RLOO, GMPO, Distillation) generate inside `_prepare_inputs`:
         # their loss is counted per loss type on the micro-batch it receives (`adapters/trl_grpo.py`).
-        self._generation_accumulation: GenerationBatchAccumulation | None = generation_accumulation_for(self)
+        # A*-PO, SDPO and Online DPO build their batch in the micro-step too (`adapters/trl_generating.py`).
+        self._generation_accumulation: GenerationBatchAccumulation | Any | None = generation_accumulation_for(
+            self
+        ) or rebuilt_batch_accumulation_for(self)
+        if getattr(self._generation_accumulation, "loss_inside_training_step", False):
+            self._generation_accumulation.route_training_step(self, GradAccumTrainer)
         # A loss of two terms with different denominators (TRL's NLL or entropy term beside a preference term): each
         # term weighted by its own count over the window (`adapters/trl_loss_terms.py`).
         self._loss_terms: WindowTermWeights | None = window_term_weights_for(self)
@@ -588,6 +594,10 @@ class GradAccumTrainer(Trainer):
             # The count made at prefetch time where the loss sees that very batch (else it is counted at the loss),
             # and for a loss that divides by what it is handed, the count of the batch handed over.
             counted = self._micro_batch_items(chunk) if self._count_at_prefetch or self._handed_count else None
+            share = handed_window_share(self) if counted is not None and self._handed_count else 1
+            if share > 1:
+                # GOLD and IW-OPD are handed the whole window at every micro-step: each slice takes an equal share.
+                counted = counted / share
             loss, num_items = self._parent_training_step(model, accumulator, chunk, counted)
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
@@ -685,7 +695,12 @@ class GradAccumTrainer(Trainer):
                 counting_at_the_loss(self, present, begin, items_for_loss) as seen,
             ):
                 self._seen_inputs = seen
-                loss = super().training_step(model, inputs, parent_items)
+                if getattr(rule, "loss_inside_training_step", False):
+                    # Online DPO computes and back-propagates its loss without `compute_loss`: counted as handed.
+                    begin(rule.count_handed(inputs))
+                    loss = rule.returned_loss(self, rule.parent_step(self, model, inputs, parent_items))
+                else:
+                    loss = super().training_step(model, inputs, parent_items)
                 self._check_micro_batch_ran(accumulator, counted, handed_over[0])
                 while accumulator.end_micro_batch(loss):
                     loss = self._recompute_micro_batch(model, inputs, parent_items)
