@@ -27,6 +27,7 @@ import torch
 
 from .arguments import gradaccum_option
 from .composed_class import nearest_trainer_named
+from .composition_error import CompositionError
 from .trl_grpo import COMPLETION_TOKENS, SEQUENCES, GenerationBatchAccumulation, LossItems
 
 # Trainers whose loop hands `training_step` the whole window at every micro-step and whose `_prepare_inputs` splits
@@ -76,8 +77,7 @@ REGISTRY_ROWS: dict[tuple[str, str], tuple[str, str, str | None]] = {
 }
 
 
-def _refuse(trainer_name: str, why: str, fix: str) -> ValueError:
-    from .compositions import CompositionError  # the registry imports this module
+def _refuse(trainer_name: str, why: str, fix: str) -> CompositionError:
 
     return CompositionError(
         f"GradAccumTrainer cannot make {trainer_name} exact under gradient accumulation: {why}. {fix}"
