@@ -735,6 +735,95 @@ CASES += [
     ),
 ]
 
+# Every other loss option of the preference and RL trainers (the zoo's `slow` part): each loss type as a user would
+# pick it, with the settings it needs to be defined (a label smoothing for `exo_pair` and `robust`).
+_DPO_LOSS_TYPES = (
+    "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop",
+    "sigmoid_norm",
+)  # fmt: skip
+_SMOOTHED = {"exo_pair": 0.1, "robust": 0.1}
+CASES += [
+    ZooCase(
+        trainer="trl:DPOTrainer",
+        config="trl:DPOConfig",
+        variant=loss_type,
+        settings={
+            "loss_type": [loss_type],
+            **({"label_smoothing": _SMOOTHED[loss_type]} if loss_type in _SMOOTHED else {}),
+        },
+        build=preference_build(other_reference=True),
+    )
+    for loss_type in _DPO_LOSS_TYPES
+]
+CASES += [
+    ZooCase(
+        trainer="trl:DPOTrainer",
+        config="trl:DPOConfig",
+        variant=variant,
+        settings=settings,
+        build=preference_build(other_reference=True),
+    )
+    for variant, settings in {
+        "MPO (sigmoid + bco_pair + sft)": {
+            "loss_type": ["sigmoid", "bco_pair", "sft"],
+            "loss_weights": [0.8, 0.2, 1.0],
+        },
+        "aot + sft": {"loss_type": ["aot", "sft"]},
+        "ipo, another reference": {"loss_type": ["ipo"]},
+    }.items()
+]
+CASES += [
+    ZooCase(
+        trainer=f"{_X}.cpo:CPOTrainer",
+        config=f"{_X}.cpo:CPOConfig",
+        variant=f"{loss_type}, cpo_alpha={alpha}",
+        settings={"loss_type": loss_type, "cpo_alpha": alpha},
+        build=preference_build(),
+    )
+    for loss_type in ("hinge", "ipo", "alphapo")
+    for alpha in (0.0, 1.0)
+]
+CASES += [
+    ZooCase(
+        trainer=f"{_X}.tpo:TPOTrainer",
+        config=f"{_X}.tpo:TPOConfig",
+        variant=f"{loss_type}, tpo_alpha=1",
+        settings={"loss_type": loss_type, "tpo_alpha": 1.0},
+        build=preference_build(reference=True),
+    )
+    for loss_type in ("hinge", "ipo", "tpo-l")
+]
+CASES += [
+    ZooCase(
+        trainer="trl:GRPOTrainer",
+        config="trl:GRPOConfig",
+        variant=variant,
+        settings={**_RL, **settings},
+        build=rl_build,
+        batch_settings=_generation_window,
+    )
+    for variant, settings in {
+        "dr_grpo": {"loss_type": "dr_grpo"},
+        "dapo": {"loss_type": "dapo"},
+        "cispo": {"loss_type": "cispo"},
+        "sapo": {"loss_type": "sapo"},
+        "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+        "dapo + entropy_coef": {"loss_type": "dapo", "entropy_coef": 0.1},
+        "sapo + entropy_coef": {"loss_type": "sapo", "entropy_coef": 0.1},
+        "grpo, beta=0.1": {"loss_type": "grpo", "beta": 0.1},
+        "dapo, top_entropy_quantile=0.2": {"loss_type": "dapo", "top_entropy_quantile": 0.2},
+    }.items()
+]
+CASES += [
+    ZooCase(
+        trainer="trl:KTOTrainer",
+        config="trl:KTOConfig",
+        variant="apo_zero_unpaired",
+        settings={"max_length": 32, "loss_type": "apo_zero_unpaired"},
+        build=kto_build,
+    ),
+]
+
 # Shipped by TRL 1.16 but not constructible offline on a CPU (they need a model name to load, a vLLM or teacher
 # server): listed in the zoo's table, not run.
 NOT_RUN = {
