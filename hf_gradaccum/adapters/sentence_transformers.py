@@ -14,14 +14,20 @@ order) therefore routes the loss, on the first training window, to one of:
   similarity function, scale, directions and hardness settings apply), for `GISTEmbedLoss` (its own `forward`
   replayed on the window's model and guide embeddings) and for SparseEncoder's `SpladeLoss` (its own `forward`
   replayed on the window's embeddings: the ranking loss and the FLOPS regularisers, which are batch means, see the
-  whole window). Micro-batches are weighted by rows. Exact.
+  whole window), for a subclass of those losses that overrides `forward` (its own `forward` run on the window
+  against a stand-in for the model that hands it the window's embeddings, compared with the loss on the model on the
+  first micro-batch before the first step; a forward the stand-in cannot serve falls back to **checked**), and for
+  the cached losses with a `calculate_loss` of their embeddings (`CachedMultipleNegativesRankingLoss`, its symmetric
+  variant, `CachedSpladeLoss`, `CachedMultiVectorMultipleNegativesRankingLoss`: the coupled mode is gradient caching
+  over the window, so their cache is the window). Micro-batches are weighted by rows. Exact.
 - **item_mean**: CrossEncoder losses that are a mean over independent pairs (`BinaryCrossEntropyLoss`,
   `CrossEntropyLoss`, `MSELoss`, `MarginMSELoss`), and the embedding losses that are a mean over independent rows
   with the settings they were built with (`CosineSimilarityLoss`, `ContrastiveLoss`, `TripletLoss`,
   `MarginMSELoss`, `DistillKLDivLoss`: [`row_mean_settings`]): plain accumulation weighted by rows. Exact, and
   without the coupled mode's extra forward per micro-batch.
-- **refused**: a cached loss (`Cached*`) under accumulation: it caches within one micro-batch only, so its negatives
-  are the micro-batch's. The error names the non-cached loss to use instead.
+- **refused**: `CachedGISTEmbedLoss` and CrossEncoder's `CachedMultipleNegativesRankingLoss` under accumulation (and a
+  cached loss subclass that redefines how it embeds or computes): they cache within one micro-batch only, so their
+  negatives are the micro-batch's. The error names the non-cached loss to use instead.
 - **checked**: any other loss. Before the first optimizer step the split-invariance check runs on the first window
   (the trainer's own `compute_loss`, rows as items) and training stops with an error naming the trainer, the loss and
   the fix unless it finds the loss exact. [`register_sentence_transformers_loss`] declares a loss class instead.
@@ -948,8 +954,9 @@ class SentenceTransformersRouting:
         else:
             lines.append(
                 "Fix: use a loss GradAccumTrainer routes (MultipleNegativesRankingLoss and its symmetric variant, "
-                "GISTEmbedLoss, or any loss whose forward is `compute_loss_from_embeddings` of the column "
-                "embeddings); or declare yours with hf_gradaccum.adapters.sentence_transformers."
+                "GISTEmbedLoss, any loss whose forward is `compute_loss_from_embeddings` of the column "
+                "embeddings, or a subclass of one whose own forward embeds its columns once each with `self.model` "
+                "and computes the rest from those embeddings); or declare yours with hf_gradaccum.adapters.sentence_transformers."
                 "register_sentence_transformers_loss(YourLoss, 'coupled' | 'item_mean'); or train with "
                 "gradient_accumulation_steps=1."
             )
