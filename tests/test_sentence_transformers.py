@@ -102,21 +102,42 @@ def test_nothing_is_routed_at_one_accumulation_step(tmp_path):
     assert relative_difference(ours, large) <= TOL
 
 
-def test_cached_loss_is_refused_before_any_step(tmp_path):
+def test_cached_guided_loss_is_refused_before_any_step(tmp_path):
     model = tiny_sentence_transformer(tmp_path)
     before = flat(model)
     from tests.st_cases import st_args
 
+    guide = tiny_sentence_transformer(tmp_path, seed=7)
     trainer = GradAccumFirst(
         model=model,
         args=st_args(tmp_path, B, K),
         train_dataset=pairs(B * K),
-        loss=losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2),
+        loss=losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=2),
     )
-    with pytest.raises(SentenceTransformersLossError, match="CachedMultipleNegativesRankingLoss") as error:
+    with pytest.raises(SentenceTransformersLossError, match="CachedGISTEmbedLoss") as error:
         trainer.train()
-    assert "GradAccumFirst" in str(error.value) and "use MultipleNegativesRankingLoss" in str(error.value)
+    assert "GradAccumFirst" in str(error.value) and "use GISTEmbedLoss" in str(error.value)
     assert torch.equal(flat(model), before)
+
+
+@pytest.mark.parametrize("large_loss", ["cached", "mnrl"])
+def test_cached_loss_over_the_window_equals_the_large_batch(tmp_path, large_loss):
+    """The coupled mode is gradient caching over the window: CachedMultipleNegativesRankingLoss at GA = K equals the
+    same loss on one batch of b x K (its own gradient cache, within that batch), which is MultipleNegativesRankingLoss
+    on that batch; its `mini_batch_size` (3, which splits neither the micro-batches nor the window evenly) only bounds
+    memory. The stock trainer at GA = K caches within each micro-batch and trains another objective."""
+    data = pairs(B * K)
+
+    def cached(model):
+        return losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
+
+    large_make = cached if large_loss == "cached" else losses.MultipleNegativesRankingLoss
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path, large_make, B * K, 1, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path, cached, B, K, data)
+    assert trainer._st_route == "coupled" and "calculate_loss" in trainer._st_reason
+    assert relative_difference(ours, large) <= TOL
+    stock, _ = one_step(SentenceTransformerTrainer, tmp_path, cached, B, K, data)
+    assert relative_difference(stock, large) >= 1e-2
 
 
 class InBatchCentredLoss(torch.nn.Module):
@@ -258,3 +279,77 @@ def test_row_mean_loss_with_settings_not_recognised_keeps_the_coupled_route(tmp_
     assert trainer._st_route == "coupled"
     assert relative_difference(ours, large) <= TOL
     assert sentence_transformers_route(losses.ContrastiveLoss(None, size_average=False))[0] == "coupled"
+
+
+class RecordingRankingLoss(losses.MultipleNegativesRankingLoss):
+    """A subclass that overrides `forward` (as sentence-transformers' own trainer tests do): records the feature keys
+    it is handed, then runs the parent's forward."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.seen: set[str] = set()
+
+    def forward(self, features, labels=None):
+        self.seen.update(features[0].keys())
+        return super().forward(features, labels)
+
+
+class WeightedCoSENT(losses.CoSENTLoss):
+    """A subclass whose own forward embeds the columns itself and adds a term of its own (a batch mean)."""
+
+    def forward(self, features, labels):
+        embeddings = [self.model(f)["sentence_embedding"] for f in features]
+        return 2.0 * self.compute_loss_from_embeddings(embeddings, labels) + embeddings[0].mean(0).pow(2).sum()
+
+
+class TokenReadingLoss(losses.MultipleNegativesRankingLoss):
+    """A subclass whose forward reads a model output the replay does not have (token embeddings)."""
+
+    def forward(self, features, labels=None):
+        tokens = self.model(features[0])["token_embeddings"]
+        return super().forward(features, labels) + tokens.mean(dim=(0, 1)).pow(2).sum()
+
+
+class SelfTokenisingLoss(losses.MultipleNegativesRankingLoss):
+    """A subclass whose forward embeds inputs of its own (texts it tokenises) besides the columns."""
+
+    def forward(self, features, labels=None):
+        extra = self.model.preprocess(["an extra sentence"])
+        return super().forward(features, labels) + self.model(extra)["sentence_embedding"].pow(2).mean()
+
+
+SUBCLASSES = {"recording": RecordingRankingLoss, "weighted_cosent": WeightedCoSENT}
+
+
+@pytest.mark.parametrize("name", sorted(SUBCLASSES))
+def test_subclass_overriding_forward_is_replayed_and_exact(tmp_path, name):
+    """Its own forward runs on the window's embeddings: at GA = K it equals the stock trainer on one batch of b x K,
+    while the stock trainer at GA = K is far from it."""
+    make, data = SUBCLASSES[name], pairs(B * K, labels=name == "weighted_cosent")
+    assert sentence_transformers_route(make(tiny_sentence_transformer(tmp_path)))[0] == "coupled"
+    large, _ = one_step(SentenceTransformerTrainer, tmp_path, make, B * K, 1, data)
+    stock, _ = one_step(SentenceTransformerTrainer, tmp_path, make, B, K, data)
+    ours, trainer = one_step(GradAccumFirst, tmp_path, make, B, K, data)
+    assert trainer._st_route == "coupled" and "replayed" in trainer._st_reason
+    assert relative_difference(ours, large) <= TOL
+    assert relative_difference(stock, large) >= 1e-2
+    if name == "recording":
+        # The forward is handed the collated features (with the column's index for the stand-in).
+        assert {"input_ids", "attention_mask"} <= trainer.loss.seen
+
+
+@pytest.mark.parametrize("make", [TokenReadingLoss, SelfTokenisingLoss], ids=["token_output", "own_inputs"])
+def test_forward_the_replay_cannot_serve_falls_back_to_the_check(tmp_path, make):
+    """A forward that needs more than the columns' sentence embeddings is found out on the first window: the
+    split-invariance check decides instead, and stops before the first step (these two couple the batch)."""
+    model = tiny_sentence_transformer(tmp_path)
+    before = flat(model)
+    from tests.st_cases import st_args
+
+    trainer = GradAccumFirst(model=model, args=st_args(tmp_path, B, K), train_dataset=pairs(B * K), loss=make(model))
+    with pytest.raises(SentenceTransformersLossError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert make.__name__ in message and "could not be replayed" in message and "NOT exact" in message
+    assert trainer._st_route == "checked"
+    assert torch.equal(flat(model), before)

@@ -260,6 +260,59 @@ def test_multi_vector_ranking_loss_is_routed_to_the_coupled_mode_and_exact(tmp_p
     assert relative_difference(stock, large) >= 1e-2
 
 
+def test_cached_multi_vector_ranking_loss_over_the_window_is_exact(tmp_path):
+    """The cached late-interaction loss: at GA 2 its `calculate_loss` sees the window's token embeddings, which is the
+    same loss (and the non-cached one) on one batch of 12; `mini_batch_size=4` splits neither evenly."""
+    data = pairs(12)
+
+    def cached(model):
+        return mv_losses.CachedMultiVectorMultipleNegativesRankingLoss(model, scale=5.0, mini_batch_size=4)
+
+    def runner(make):
+        return _runner(tmp_path, make, data, tiny_multi_vector_encoder, MultiVectorEncoderTrainingArguments)
+
+    large, _ = runner(cached)(MultiVectorEncoderTrainer, 12, 1)
+    plain, _ = runner(lambda model: mv_losses.MultiVectorMultipleNegativesRankingLoss(model, scale=5.0))(
+        MultiVectorEncoderTrainer, 12, 1
+    )
+    assert relative_difference(plain, large) <= TOL
+    stock, _ = runner(cached)(MultiVectorEncoderTrainer, 6, 2)
+    ours, trainer = runner(cached)(_composed(MultiVectorEncoderTrainer)[0], 6, 2)
+    assert trainer._st_route == "coupled" and "calculate_loss" in trainer._st_reason
+    assert relative_difference(ours, large) <= TOL
+    assert relative_difference(stock, large) >= 1e-2
+
+
+def test_cached_splade_loss_over_the_window_is_exact(tmp_path):
+    """CachedSpladeLoss: the ranking loss and the FLOPS regularisers of its `calculate_loss` over the window."""
+    data = pairs(12)
+
+    def cached(model):
+        return sparse_losses.CachedSpladeLoss(
+            model,
+            loss=sparse_losses.SparseMultipleNegativesRankingLoss(model, scale=5.0),
+            document_regularizer_weight=0.5,
+            query_regularizer_weight=0.3,
+            mini_batch_size=5,
+        )
+
+    def step(cls, batch, steps):
+        model = tiny_sparse_encoder(tmp_path)
+        before = flat(model)
+        args = st_args(tmp_path, batch, steps, args_cls=SparseEncoderTrainingArguments)
+        trainer = cls(model=model, args=args, train_dataset=data, loss=cached(model))
+        trainer.remove_callback(SpladeRegularizerWeightSchedulerCallback)
+        trainer.train()
+        return flat(model) - before, trainer
+
+    large, _ = step(SparseEncoderTrainer, 12, 1)
+    stock, _ = step(SparseEncoderTrainer, 4, 3)
+    ours, trainer = step(_composed(SparseEncoderTrainer)[0], 4, 3)
+    assert trainer._st_route == "coupled"
+    assert relative_difference(ours, large) <= TOL
+    assert relative_difference(stock, large) >= 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------- a dict of losses
 def _two_datasets() -> datasets.DatasetDict:
     return datasets.DatasetDict({"ranking": pairs(4, seed=1), "scores": pairs(4, seed=2, labels=True)})

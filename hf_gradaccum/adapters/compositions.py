@@ -145,7 +145,8 @@ REPLAYED_LOSSES = ("SpladeLoss",)
 # MultiVectorEncoder losses whose `forward` embeds the columns token by token with `self.model` and computes
 # everything else from those token embeddings and their scoring masks: replayed by `_multi_vector_coupled_loss`.
 MULTI_VECTOR_LOSSES = ("MultiVectorMultipleNegativesRankingLoss",)
-# Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only.
+# Gradient caching within one micro-batch: under accumulation their negatives are the micro-batch's only, unless
+# routed by `CACHED_COUPLED_LOSSES`.
 CACHED_LOSSES = {
     "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
@@ -153,6 +154,16 @@ CACHED_LOSSES = {
     "CachedSpladeLoss": "SpladeLoss",
     "CachedMultiVectorMultipleNegativesRankingLoss": "MultiVectorMultipleNegativesRankingLoss",
 }
+# Cached losses whose `calculate_loss(embeddings...)` is the whole loss computed from the column embeddings: the
+# coupled mode (itself gradient caching, over the window) feeds it the window's embeddings, which is the cached loss
+# on the large batch (its `mini_batch_size` chunks only bound memory). `CachedGISTEmbedLoss` also runs its guide model
+# inside, and CrossEncoder's cached loss scores (query, document) pairs inside: both stay refused.
+CACHED_COUPLED_LOSSES = (
+    "CachedMultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
+    "CachedSpladeLoss",
+    "CachedMultiVectorMultipleNegativesRankingLoss",
+)
 # The trainer of each cached loss that is not a SentenceTransformer loss.
 CACHED_LOSS_TRAINERS = {
     "CachedSpladeLoss": "SparseEncoderTrainer",
@@ -196,7 +207,14 @@ def _sentence_transformers_rows() -> dict[tuple[str, str], Accumulation]:
     for loss in CROSS_ENCODER_ROW_LOSSES:
         rows["CrossEncoderTrainer", loss] = Accumulation("items", "rows (query-document pairs)")
     for cached, plain in CACHED_LOSSES.items():
-        rows[CACHED_LOSS_TRAINERS.get(cached, "SentenceTransformerTrainer"), cached] = Accumulation(
+        trainer = CACHED_LOSS_TRAINERS.get(cached, "SentenceTransformerTrainer")
+        if cached in CACHED_COUPLED_LOSSES:
+            rows[trainer, cached] = Accumulation(
+                "coupled",
+                "the window's embeddings through its `calculate_loss` (the window is its cache; rows weighted)",
+            )
+            continue
+        rows[trainer, cached] = Accumulation(
             "refused",
             "it caches gradients within one micro-batch, so its negatives are the micro-batch's only",
             f"Use `{plain}`: composed with GradAccumTrainer the whole window is its batch of negatives.",

@@ -14,14 +14,20 @@ order) therefore routes the loss, on the first training window, to one of:
   similarity function, scale, directions and hardness settings apply), for `GISTEmbedLoss` (its own `forward`
   replayed on the window's model and guide embeddings) and for SparseEncoder's `SpladeLoss` (its own `forward`
   replayed on the window's embeddings: the ranking loss and the FLOPS regularisers, which are batch means, see the
-  whole window). Micro-batches are weighted by rows. Exact.
+  whole window), for a subclass of those losses that overrides `forward` (its own `forward` run on the window
+  against a stand-in for the model that hands it the window's embeddings, compared with the loss on the model on the
+  first micro-batch before the first step; a forward the stand-in cannot serve falls back to **checked**), and for
+  the cached losses with a `calculate_loss` of their embeddings (`CachedMultipleNegativesRankingLoss`, its symmetric
+  variant, `CachedSpladeLoss`, `CachedMultiVectorMultipleNegativesRankingLoss`: the coupled mode is gradient caching
+  over the window, so their cache is the window). Micro-batches are weighted by rows. Exact.
 - **item_mean**: CrossEncoder losses that are a mean over independent pairs (`BinaryCrossEntropyLoss`,
   `CrossEntropyLoss`, `MSELoss`, `MarginMSELoss`), and the embedding losses that are a mean over independent rows
   with the settings they were built with (`CosineSimilarityLoss`, `ContrastiveLoss`, `TripletLoss`,
   `MarginMSELoss`, `DistillKLDivLoss`: [`row_mean_settings`]): plain accumulation weighted by rows. Exact, and
   without the coupled mode's extra forward per micro-batch.
-- **refused**: a cached loss (`Cached*`) under accumulation: it caches within one micro-batch only, so its negatives
-  are the micro-batch's. The error names the non-cached loss to use instead.
+- **refused**: `CachedGISTEmbedLoss` and CrossEncoder's `CachedMultipleNegativesRankingLoss` under accumulation (and a
+  cached loss subclass that redefines how it embeds or computes): they cache within one micro-batch only, so their
+  negatives are the micro-batch's. The error names the non-cached loss to use instead.
 - **checked**: any other loss. Before the first optimizer step the split-invariance check runs on the first window
   (the trainer's own `compute_loss`, rows as items) and training stops with an error naming the trainer, the loss and
   the fix unless it finds the loss exact. [`register_sentence_transformers_loss`] declares a loss class instead.
@@ -43,6 +49,7 @@ from torch import nn
 
 from ..engine.coupled import CoupledLoss, rows_in
 from .compositions import (
+    CACHED_COUPLED_LOSSES,
     CACHED_LOSSES,
     CROSS_ENCODER_CACHED_FIX,
     CROSS_ENCODER_ROW_LOSSES,
@@ -150,10 +157,12 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
             if all(_defining_class(loss_cls, name) is _defining_class(cls, name) for name in LOSS_METHODS):
                 return _REGISTERED[cls], f"{cls.__name__} registered as {_REGISTERED[cls]!r}"
             break
-    if loss_cls.__name__ in CACHED_LOSSES:
-        return "refused", "it caches gradients within one micro-batch, so its negatives are the micro-batch's only"
     forward_owner = _defining_class(loss_cls, "forward")
     owner = forward_owner.__name__ if forward_owner is not None else ""
+    if loss_cls.__name__ in CACHED_LOSSES or owner in CACHED_LOSSES:
+        if _cached_math(loss) is not None:
+            return "coupled", f"{owner}.calculate_loss on the window's embeddings (the window is its cache)"
+        return "refused", "it caches gradients within one micro-batch, so its negatives are the micro-batch's only"
     if owner in GUIDED_LOSSES:
         return "coupled", f"{owner}'s forward replayed on the window's model and guide embeddings"
     if owner in REPLAYED_LOSSES:
@@ -170,7 +179,69 @@ def sentence_transformers_route(loss: Any) -> tuple[str, str]:
             return "item_mean", f"{owner} is a mean over independent rows ({settings})"
     if owner in EMBEDDING_LOSSES and callable(getattr(loss, "compute_loss_from_embeddings", None)):
         return "coupled", f"{owner}.compute_loss_from_embeddings on the window's embeddings"
+    if replays_own_forward(loss):
+        parent = _library_loss_parent(loss_cls)
+        return "coupled", (
+            f"its own forward ({owner}.forward, a subclass of {parent.__name__}) replayed on the window's embeddings, "
+            "checked against the model on the first window"
+        )
     return "checked", "not a loss GradAccumTrainer knows how to accumulate"
+
+
+def _library_loss_parent(loss_cls: type) -> type | None:
+    """The nearest sentence-transformers embedding loss class `loss_cls` derives from, if any."""
+    for cls in loss_cls.__mro__:
+        if cls.__module__.startswith("sentence_transformers") and cls.__name__ in (
+            *EMBEDDING_LOSSES,
+            *REPLAYED_LOSSES,
+        ):
+            return cls
+    return None
+
+
+def replays_own_forward(loss: Any) -> bool:
+    """
+    Whether `loss` is accumulated by running its own `forward` against a stand-in for the model that hands it the
+    window's embeddings: a subclass of one of sentence-transformers' embedding losses (`MultipleNegativesRankingLoss`,
+    `CoSENTLoss`, `SpladeLoss`, ...) that overrides `forward`, so that its own code runs as written. Its first window
+    checks the replay against the loss on the model; a forward the replay cannot serve (calling the model on inputs
+    of its own, more than once per column, or reading other outputs) falls back to the split-invariance check.
+
+    Example:
+
+    ```python
+    >>> from sentence_transformers import losses  # doctest: +SKIP
+    >>> class Logged(losses.MultipleNegativesRankingLoss):  # doctest: +SKIP
+    ...     def forward(self, features, labels):
+    ...         return super().forward(features, labels)
+    >>> replays_own_forward(Logged(model))  # doctest: +SKIP
+    True
+    ```
+    """
+    loss_cls = type(loss)
+    parent = _library_loss_parent(loss_cls)
+    if parent is None or _defining_class(loss_cls, "forward") is parent:
+        return False
+    if getattr(loss, "uses_gradient_cache", False):
+        return False
+    return isinstance(getattr(loss, "model", None), nn.Module)
+
+
+def _cached_math(loss: Any) -> str | None:
+    """For a cached loss routed to the coupled mode: `"columns"` (its `calculate_loss(reps, labels)` takes each
+    column's sentence embeddings) or `"tokens"` (the multi-vector one's takes token embeddings and scoring masks);
+    `None` for one that stays refused (a subclass that redefines how it embeds or what it computes, CrossEncoder's)."""
+    loss_cls = type(loss)
+    owners = {name: _defining_class(loss_cls, name) for name in ("forward", "calculate_loss", "embed_minibatch")}
+    if any(owner is None for owner in owners.values()) or _is_cross_encoder_loss(owners["forward"]):
+        return None
+    if not all(
+        owner.__name__ in (*CACHED_COUPLED_LOSSES, "CachedLossMixin")
+        and owner.__module__.startswith("sentence_transformers")
+        for owner in owners.values()
+    ):
+        return None
+    return "tokens" if owners["forward"].__name__ == "CachedMultiVectorMultipleNegativesRankingLoss" else "columns"
 
 
 def row_mean_settings(loss: nn.Module) -> str | None:
@@ -420,9 +491,10 @@ class _TokenReplay(nn.Module):
         return {"token_embeddings": self.tokens[column], "attention_mask": self.masks[column]}
 
 
-def _multi_vector_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
-    # Micro-batches have token axes of their own lengths: each is padded to the model's maximum (masked out, so the
-    # scores are the large batch's) for the window's embeddings to be concatenated.
+def _multi_vector_embedder(trainer: Any) -> Any:
+    """`embed_fn` of a multi-vector coupled loss: each column's token embeddings and scoring mask. Micro-batches have
+    token axes of their own lengths: each is padded to the model's maximum (masked out, so the scores are the large
+    batch's) for the window's embeddings to be concatenated."""
     width = int(trainer.model.get_max_seq_length())
 
     def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -441,6 +513,12 @@ def _multi_vector_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
             reps["labels"] = labels
         return reps
 
+    return embed
+
+
+def _multi_vector_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    embed = _multi_vector_embedder(trainer)
+
     def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
         columns = [{COLUMN_KEY: i} for i in range(len(reps["tokens"]))]
         replaced: dict[str, Any] = {"model": _TokenReplay(list(reps["tokens"]), list(reps["masks"]))}
@@ -452,6 +530,263 @@ def _multi_vector_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
             return _scalar(loss(columns, reps.get("labels")))
 
     return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **_window_world(loss))
+
+
+def _gathering_modules(loss: nn.Module) -> list[nn.Module]:
+    """The loss and its submodules (not the model's) with a `gather_across_devices` setting."""
+    model = getattr(loss, "model", None)
+    found, stack, seen = [], [loss], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or module is model:
+            continue
+        seen.add(id(module))
+        if "gather_across_devices" in vars(module) or hasattr(type(module), "gather_across_devices"):
+            found.append(module)
+        stack.extend(child for child in module.children() if child is not None)
+    return found
+
+
+@contextlib.contextmanager
+def _no_gather(modules: list[nn.Module]) -> Iterator[None]:
+    # The window's embeddings are already every rank's when the loss gathers: it must not gather again.
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(_attributes(module, gather_across_devices=False))
+        yield
+
+
+def _cached_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    """A cached loss over the window: its own `calculate_loss` on the window's embeddings, each column one chunk
+    (the coupled mode is the gradient cache, over the whole window)."""
+    gathering = _gathering_modules(loss)
+    world = {"gather_across_ranks": any(bool(m.gather_across_devices) for m in gathering)}
+    if _cached_math(loss) == "tokens":
+        embed = _multi_vector_embedder(trainer)
+
+        def token_window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
+            with _no_gather(gathering):
+                return _scalar(loss.calculate_loss([[t] for t in reps["tokens"]], [[m] for m in reps["masks"]]))
+
+        return CoupledLoss(embed, token_window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **world)
+
+    # Cached losses embed every column in its own forward (`embed_minibatch`).
+    embed = _column_embedder(trainer, lambda model, features: [model(f)["sentence_embedding"] for f in features])
+
+    def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
+        with _no_gather(gathering):
+            return _scalar(loss.calculate_loss([[e] for e in reps["embeddings"]], reps.get("labels")))
+
+    return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **world)
+
+
+class ReplayError(RuntimeError):
+    """A loss's `forward` did something the replay on the window's embeddings cannot serve."""
+
+
+class _ReplayOutput(dict):
+    """The stand-in's output: reading any other key than the embeddings is a forward the replay cannot serve."""
+
+    def __init__(self, owner: _ColumnReplay, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.owner = owner
+
+    def __missing__(self, key: str) -> Any:
+        raise self.owner.fail(f"reads the model output {key!r} (the replay has the sentence embeddings only)")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key]
+
+
+class _ColumnReplay(nn.Module):
+    """
+    Stands in for the model inside a loss's own `forward`: `model(features)` on one of the columns the loss was
+    handed returns that column's window embeddings (the coupled mode's leaves, so the gradient reaches them).
+    Anything else is recorded and raised as a [`ReplayError`]: features that are not one of the columns (inputs of
+    the loss's own), a column embedded twice, extra arguments, a method of the model, another output key.
+    Non-callable attributes (`device`, settings) are read from the model.
+    """
+
+    def __init__(self, model: nn.Module, embeddings: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        self.served = [0] * len(embeddings)
+        self.failure: str | None = None
+        self.__dict__["_model"] = model
+        self.train(model.training)
+
+    def fail(self, why: str) -> ReplayError:
+        if self.failure is None:
+            self.failure = why
+        return ReplayError(why)
+
+    def forward(self, features: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        if args or kwargs:
+            raise self.fail(f"calls the model with more than the features ({len(args)} arguments, {sorted(kwargs)})")
+        column = features.get(COLUMN_KEY) if isinstance(features, Mapping) else None
+        if column is None:
+            raise self.fail(
+                "calls the model on inputs that are not one of the columns it was handed (inputs of its own, "
+                "or columns merged into one batch)"
+            )
+        self.served[column] += 1
+        if self.served[column] > 1:
+            raise self.fail(f"embeds column {column} more than once")
+        return _ReplayOutput(self, {"sentence_embedding": self.embeddings[column]})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_model" not in self.__dict__:
+                raise
+        value = getattr(self.__dict__["_model"], name)
+        if callable(value) or isinstance(value, nn.Module):
+            raise self.fail(f"uses `model.{name}`")
+        return value
+
+
+def _model_slots(loss: nn.Module, model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where the loss and its submodules hold `model` (not looking inside the model)."""
+    slots, stack, seen = [], [loss], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for name, child in module._modules.items():
+            if child is model:
+                slots.append((module, name))
+            elif child is not None:
+                stack.append(child)
+    return slots
+
+
+def _replay_forward(
+    loss: nn.Module, embeddings: list[torch.Tensor], columns: list[dict[str, Any]], labels: Any
+) -> torch.Tensor:
+    """`loss(columns, labels)` with every reference the loss holds to its model replaced by a [`_ColumnReplay`] of
+    `embeddings`; the model itself refuses to run meanwhile. Raises [`ReplayError`] for a forward the replay cannot
+    serve."""
+    model = loss.model
+    stand_in = _ColumnReplay(model, list(embeddings))
+
+    def model_called(*args: Any) -> None:
+        raise stand_in.fail("calls the model through another reference than `self.model`")
+
+    with contextlib.ExitStack() as stack:
+        for module, name in _model_slots(loss, model):
+            stack.enter_context(_attributes(module, **{name: stand_in}))
+        stack.enter_context(_no_gather(_gathering_modules(loss)))
+        with contextlib.suppress(ImportError):
+            # The columns carry the collated inputs: merging them into one forward would hand the stand-in new ones.
+            from sentence_transformers.base.losses.merged_forward import column_merging_disabled
+
+            stack.enter_context(column_merging_disabled())
+        hook = model.register_forward_pre_hook(model_called)
+        stack.callback(hook.remove)
+        try:
+            value = _scalar(loss(columns, labels))
+        except ReplayError:
+            raise
+        except Exception as error:
+            if stand_in.failure is not None:
+                raise ReplayError(stand_in.failure) from error
+            raise
+    if stand_in.failure is not None:
+        raise ReplayError(stand_in.failure)
+    if not any(stand_in.served):
+        raise ReplayError("never calls the model")
+    return value
+
+
+def _row_tensor(value: Any, rows: int) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows and not value.is_floating_point()
+
+
+def _forward_replay_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
+    """A loss whose own `forward` runs on the window: the window's embeddings served to it by a [`_ColumnReplay`],
+    each column handed over as the window's collated features (the micro-batches' integer tensors padded and
+    concatenated, the other entries as the last micro-batch had them), plus the column's index for the stand-in."""
+    width = trainer.model.get_max_seq_length() if hasattr(trainer.model, "get_max_seq_length") else None
+    metadata: list[dict[str, Any]] = []
+
+    def embed(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+        features, labels = _features(trainer, batch)
+        rows = rows_in(features[0])
+        carried, metadata[:] = [], []
+        for column in features:
+            tensors = {}
+            for key, value in column.items():
+                if width is None or not _row_tensor(value, rows) or (value.dim() > 1 and value.shape[1] > width):
+                    continue
+                tensors[key] = F.pad(value, (0, width - value.shape[1])) if value.dim() == 2 else value
+                if value.dim() > 2:
+                    tensors.pop(key)
+            carried.append(tensors)
+            metadata.append({k: v for k, v in column.items() if k not in tensors})
+        reps: dict[str, Any] = {"embeddings": _columns_as_losses_embed(model, features), "features": carried}
+        if labels is not None:
+            reps["labels"] = labels
+        return reps
+
+    def window_loss(reps: Mapping[str, Any], model: nn.Module) -> torch.Tensor:
+        columns = []
+        for index, tensors in enumerate(reps["features"]):
+            column = dict(metadata[index]) if index < len(metadata) else {}
+            mask = tensors.get("attention_mask")
+            # The window's padding: to its longest row, as one collated batch of it would be.
+            length = (
+                int(mask.nonzero()[:, 1].max()) + 1 if mask is not None and mask.dim() == 2 and mask.any() else None
+            )
+            for key, value in tensors.items():
+                column[key] = value[:, :length] if length is not None and value.dim() == 2 else value
+            column[COLUMN_KEY] = index
+            columns.append(column)
+        return _replay_forward(loss, list(reps["embeddings"]), columns, reps.get("labels"))
+
+    world = {"gather_across_ranks": any(bool(m.gather_across_devices) for m in _gathering_modules(loss))}
+    return CoupledLoss(embed, window_loss, num_items_fn=lambda batch: _rows(trainer, batch), **world)
+
+
+def verify_forward_replay(trainer: Any, loss: nn.Module, batch: Mapping[str, Any]) -> str | None:
+    """
+    Check, on one collated micro-batch, that running `loss`'s own `forward` against the stand-in (the embeddings
+    computed as the loss computes them) gives the value the loss gives on the model. Runs in eval mode, without a
+    graph, and leaves the RNG and the model's mode as they were. Returns `None` when they agree, else why not.
+
+    Example:
+
+    ```python
+    >>> verify_forward_replay(trainer, trainer.loss, first_micro_batch) is None  # doctest: +SKIP
+    True
+    ```
+    """
+    from ..engine.rng import capture_rng_state, restore_rng_state
+
+    model = loss.model
+    was_training, rng = model.training, capture_rng_state()
+    try:
+        model.eval()
+        with torch.no_grad():
+            features, labels = _features(trainer, batch)
+            expected = _scalar(loss([dict(f) for f in features], labels))
+            embeddings = _columns_as_losses_embed(model, [dict(f) for f in features])
+            columns = [{**f, COLUMN_KEY: i} for i, f in enumerate(features)]
+            got = _replay_forward(loss, embeddings, columns, labels)
+    except ReplayError as error:
+        return f"its forward {error}"
+    except Exception as error:  # noqa: BLE001  (any failure means the replay cannot be trusted)
+        return f"replaying its forward raised {type(error).__name__}: {error}"
+    finally:
+        model.train(was_training)
+        restore_rng_state(rng)
+    if not torch.is_tensor(expected) or expected.shape != got.shape:
+        return f"the replay gives a value of shape {tuple(got.shape)}, the model {getattr(expected, 'shape', None)}"
+    tolerance = 1e-4 if got.dtype == torch.float32 or got.dtype == torch.float64 else 2e-2
+    if not torch.allclose(got.double(), expected.double(), rtol=tolerance, atol=1e-6):
+        return f"the replay gives {float(got):.8g}, the loss on the model {float(expected):.8g}"
+    return None
 
 
 def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> CoupledLoss:
@@ -471,6 +806,10 @@ def sentence_transformers_coupled_loss(trainer: Any, loss: nn.Module) -> Coupled
     if route != "coupled":
         raise ValueError(f"{type(loss).__name__} is not accumulated in the coupled mode: {reason}.")
     owner = _defining_class(type(loss), "forward").__name__
+    if _cached_math(loss) is not None:
+        return _cached_coupled_loss(trainer, loss)
+    if replays_own_forward(loss):
+        return _forward_replay_coupled_loss(trainer, loss)
     if owner in GUIDED_LOSSES:
         return _gist_coupled_loss(trainer, loss)
     if owner in REPLAYED_LOSSES:
@@ -498,33 +837,46 @@ class SentenceTransformersRouting:
     """
 
     _st_route: str | None = None
+    _st_unverified: dict[Any, nn.Module] = {}
 
     def _decide_route(self) -> str:
         if self._st_route is not None:
             return self._st_route
-        route, reason, loss = "plain", "gradient_accumulation_steps=1", self.loss
-        if self.args.gradient_accumulation_steps > 1:
-            losses = dict(loss) if isinstance(loss, Mapping) else {None: loss}
-            decided = {name: sentence_transformers_route(each) for name, each in losses.items()}
-            refused = {name: why for name, (r, why) in decided.items() if r == "refused"}
-            if refused:
-                raise SentenceTransformersLossError(self._message(losses, refused, "refused"))
-            routes = {r for r, _ in decided.values()}
-            # Per dataset: a window may mix micro-batches of several datasets, each under its own loss.
-            self._st_dataset_routes = {name: r for name, (r, _) in decided.items()}
-            self._st_dataset_reasons = {name: why for name, (_, why) in decided.items()}
-            if not isinstance(loss, Mapping):
-                route, reason = decided[None]
-            elif "coupled" in routes:
-                route, reason = (
-                    "coupled",
-                    "one loss per dataset, each over its own micro-batches of the window: "
-                    + ("; ".join(f"{name}: {r} ({why})" for name, (r, why) in decided.items())),
-                )
-            elif "checked" in routes:
-                route, reason = "checked", "one loss per dataset, checked on each dataset's micro-batches"
-            else:
-                route, reason = "item_mean", "one loss per dataset, each a mean over rows"
+        loss = self.loss
+        self._st_unverified = {}
+        if self.args.gradient_accumulation_steps == 1:
+            self._st_route, self._st_reason = "plain", "gradient_accumulation_steps=1"
+            return self._st_route
+        losses = dict(loss) if isinstance(loss, Mapping) else {None: loss}
+        decided = {name: sentence_transformers_route(each) for name, each in losses.items()}
+        refused = {name: why for name, (r, why) in decided.items() if r == "refused"}
+        if refused:
+            raise SentenceTransformersLossError(self._message(losses, refused, "refused"))
+        # Losses whose own forward is replayed: checked against the model on their first micro-batch.
+        self._st_unverified = {
+            name: each for name, each in losses.items() if decided[name][0] == "coupled" and replays_own_forward(each)
+        }
+        return self._install_routes(decided)
+
+    def _install_routes(self, decided: Mapping[Any, tuple[str, str]]) -> str:
+        """Set the route of the loss (per dataset for a dict of losses) and the coupled mode it needs."""
+        loss = self.loss
+        routes = {r for r, _ in decided.values()}
+        # Per dataset: a window may mix micro-batches of several datasets, each under its own loss.
+        self._st_dataset_routes = {name: r for name, (r, _) in decided.items()}
+        self._st_dataset_reasons = {name: why for name, (_, why) in decided.items()}
+        if not isinstance(loss, Mapping):
+            route, reason = decided[None]
+        elif "coupled" in routes:
+            route, reason = (
+                "coupled",
+                "one loss per dataset, each over its own micro-batches of the window: "
+                + ("; ".join(f"{name}: {r} ({why})" for name, (r, why) in decided.items())),
+            )
+        elif "checked" in routes:
+            route, reason = "checked", "one loss per dataset, checked on each dataset's micro-batches"
+        else:
+            route, reason = "item_mean", "one loss per dataset, each a mean over rows"
         if route == "coupled":
             if self.args.auto_find_batch_size:
                 raise SentenceTransformersLossError(
@@ -540,6 +892,44 @@ class SentenceTransformersRouting:
             self.coupled_mode = CoupledWindowMode(coupled, owns_loss=False)
         logger.info("%s: %s accumulates by the %r route (%s).", type(self).__name__, _loss_name(loss), route, reason)
         self._st_route, self._st_reason = route, reason
+        return route
+
+    def _verify_replays(self, batches: list[Any]) -> str:
+        """Before the first step of a loss whose own forward is replayed: check the replay against the loss on the
+        model on its first micro-batch. One that disagrees (or that the replay cannot serve) is routed "checked"
+        instead: the split-invariance check decides it. Returns the route."""
+        failed = {}
+        for name in list(self._st_unverified):
+            batch = next((b for b in batches if name is None or _dataset_of(b) == name), None)
+            if batch is None:
+                continue
+            loss = self._st_unverified.pop(name)
+            why = verify_forward_replay(self, loss, batch)
+            if why is None:
+                logger.info(
+                    "%s: %s's forward replays exactly on the window's embeddings.",
+                    type(self).__name__,
+                    _loss_name(loss),
+                )
+                continue
+            logger.warning(
+                "%s: %s's own forward cannot be replayed on the window's embeddings (%s); the split-invariance check "
+                "decides it instead.",
+                type(self).__name__,
+                _loss_name(loss),
+                why,
+            )
+            failed[name] = f"its forward could not be replayed on the window's embeddings ({why})"
+        if not failed:
+            return self._st_route
+        decided = {
+            name: ("checked", failed[name]) if name in failed else (route, self._st_dataset_reasons[name])
+            for name, route in self._st_dataset_routes.items()
+        }
+        self.coupled_mode = None
+        route = self._install_routes(decided)
+        if self.coupled_mode is not None:
+            self.coupled_mode.window_prefetched(batches)
         return route
 
     def _message(self, losses: Mapping[Any, Any], why: Mapping[Any, str], route: str) -> str:
@@ -564,8 +954,9 @@ class SentenceTransformersRouting:
         else:
             lines.append(
                 "Fix: use a loss GradAccumTrainer routes (MultipleNegativesRankingLoss and its symmetric variant, "
-                "GISTEmbedLoss, or any loss whose forward is `compute_loss_from_embeddings` of the column "
-                "embeddings); or declare yours with hf_gradaccum.adapters.sentence_transformers."
+                "GISTEmbedLoss, any loss whose forward is `compute_loss_from_embeddings` of the column "
+                "embeddings, or a subclass of one whose own forward embeds its columns once each with `self.model` "
+                "and computes the rest from those embeddings); or declare yours with hf_gradaccum.adapters.sentence_transformers."
                 "register_sentence_transformers_loss(YourLoss, 'coupled' | 'item_mean'); or train with "
                 "gradient_accumulation_steps=1."
             )
@@ -610,6 +1001,8 @@ class SentenceTransformersRouting:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         route = self._decide_route()
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._st_unverified and batch_samples:
+            route = self._verify_replays(list(batch_samples))
         if route == "checked" or (route == "coupled" and isinstance(self.loss, Mapping)):
             self._check_window(list(batch_samples))
         return batch_samples, num_items
