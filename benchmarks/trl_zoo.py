@@ -13,6 +13,7 @@ line), silent (trained, not exact) or crashed.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the Markdown table here (default: print it)")
     parser.add_argument("-k", default=None, help="only trainers whose name or variant contains this")
+    parser.add_argument("--json", default=None, help="also write every row's figures and verdicts here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -81,6 +83,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     counts: dict[str, int] = {}
+    rows: list[dict[str, object]] = []
     start = time.time()
     for case in CASES:
         if args.k and args.k not in case.name + case.variant:
@@ -92,10 +95,13 @@ def main() -> int:
             except Exception as e:  # a stock configuration that does not run here is reported, not raised
                 stock = f"stock failed: {type(e).__name__}"
             cells = []
+            row: dict[str, object] = {"trainer": case.name, "variant": case.variant, "stock": stock}
             for order in ORDERS:
                 result = run_case(case, order, reference, f"{tmp}/{order}")
                 counts[result.verdict] = counts.get(result.verdict, 0) + 1
                 cells.extend(_cell(result))
+                row[order] = {"verdict": result.verdict, "error": result.error, "message": result.message}
+            rows.append(row)
         lines.append(f"| {case.name} | {case.variant} | {stock} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     for trainer, why in NOT_RUN.items():
@@ -108,6 +114,8 @@ def main() -> int:
     )
     if args.out:
         Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "counts": counts}, indent=1))
     print(text)
     return 0 if not counts.get("silent") and not counts.get("crashed") else 1
 
