@@ -731,7 +731,6 @@ CASES += [
         variant="mixed (distillation_weight=0.5, dapo)",
         settings={**_RL, "distillation_weight": 0.5, "loss_type": "dapo"},
         build=sdpo_build,
-        expect="refused",
     ),
 ]
 

@@ -5,7 +5,7 @@ each micro-batch is weighted by it where its loss is computed (`adapters/loss_co
 |---|---|---|---|
 | GOLD (`trl.experimental`), IW-OPD | the loop hands the whole window (one generation batch, sampled `gradient_accumulation_steps` times); `_prepare_inputs` splits it into that many equal slices and generates for the on-policy ones | token sum / the `num_items_in_batch` it is handed (else the micro-batch's label tokens) | the handed window's label tokens, one share per slice, handed as the slice's own |
 | A*-PO (`A2POTrainer`) | `_prepare_inputs` generates one completion per prompt of the micro-batch | mean over sequences of the squared regression error | sequences |
-| SDPO | `_prepare_inputs` generates once per generation batch and buffers one micro-batch per step | `distillation_weight=1` (default): mean over sequences of each one's token mean; `0`: the policy loss of its `loss_type`; divided by `current_gradient_accumulation_steps` | sequences (`grpo`, `dr_grpo`, the distillation term), completion tokens (`bnpo`, `dapo`) |
+| SDPO | `_prepare_inputs` generates once per generation batch and buffers one micro-batch per step | `distillation_weight=1` (default): mean over sequences of each one's token mean; `0`: the policy loss of its `loss_type`; divided by `current_gradient_accumulation_steps` | sequences (`grpo`, `dr_grpo`, the distillation term), completion tokens (`bnpo`, `dapo`); both terms: sequences, the token-mean policy term weighted on its own |
 | Online DPO | `training_step` generates two completions per prompt, computes the loss and back-propagates it itself (no `compute_loss`) | mean over prompts (pairs) | pairs, counted on the batch handed over |
 
 GOLD and IW-OPD divide the divergence by the `num_items_in_batch` the Trainer counted on the batches it prefetched:
@@ -36,7 +36,7 @@ HANDED_WINDOW_TRAINERS = ("GOLDTrainer", "IWOPDTrainer")
 REBUILDING_TRAINERS = ("A2POTrainer", "SDPOTrainer", "OnlineDPOTrainer", *HANDED_WINDOW_TRAINERS)
 
 # SDPO's policy loss types: what each averages over on one micro-batch (`_compute_policy_loss`).
-_SDPO_POLICY_ITEMS = {"grpo": SEQUENCES, "dr_grpo": SEQUENCES, "bnpo": COMPLETION_TOKENS, "dapo": COMPLETION_TOKENS}
+SDPO_POLICY_ITEMS = {"grpo": SEQUENCES, "dr_grpo": SEQUENCES, "bnpo": COMPLETION_TOKENS, "dapo": COMPLETION_TOKENS}
 
 # (trainer class name, loss) -> (how, what, fix): the composition registry's rows (adapters/compositions.py).
 REGISTRY_ROWS: dict[tuple[str, str], tuple[str, str, str | None]] = {
@@ -65,7 +65,8 @@ REGISTRY_ROWS: dict[tuple[str, str], tuple[str, str, str | None]] = {
         "items",
         "sequences (the self-distillation loss, `distillation_weight=1`: a mean over sequences of each one's token "
         "mean); with `distillation_weight=0` the policy loss's items: sequences for 'grpo' and 'dr_grpo', "
-        "completion tokens for 'bnpo' and 'dapo'; a mix of both terms with 'grpo' or 'dr_grpo' only",
+        "completion tokens for 'bnpo' and 'dapo'; a mix of both terms: sequences, with a token-mean policy term "
+        "weighted by its own count (adapters/trl_loss_terms.py)",
         None,
     ),
     ("OnlineDPOTrainer", "*"): (
@@ -266,24 +267,29 @@ def rebuilt_batch_accumulation_for(trainer: Any) -> Any | None:
 def _sdpo_accumulation(trainer: Any) -> GenerationBatchAccumulation:
     args = trainer.args
     weight = args.distillation_weight
-    policy = _SDPO_POLICY_ITEMS.get(args.loss_type)
+    policy = SDPO_POLICY_ITEMS.get(args.loss_type)
     if weight == 1.0:
         items = SEQUENCES
     elif policy is None:
         raise _refuse(
             "SDPOTrainer",
             f"its policy loss type {args.loss_type!r} is not in GradAccumTrainer's table of what each averages over",
-            "Use one of " + ", ".join(repr(t) for t in _SDPO_POLICY_ITEMS) + ".",
+            "Use one of " + ", ".join(repr(t) for t in SDPO_POLICY_ITEMS) + ".",
         )
     elif weight == 0.0 or policy == SEQUENCES:
         items = policy
+    elif args.steps_per_generation == args.gradient_accumulation_steps:
+        # The self-distillation term's sequences; the policy term (a token mean) gets a weight of its own from the
+        # window's buffered generation batch (`adapters/trl_loss_terms.py`).
+        items = SEQUENCES
     else:
         raise _refuse(
             "SDPOTrainer",
             f"with `distillation_weight={weight}` its loss mixes the self-distillation term (a mean over sequences) "
-            f"with the {args.loss_type!r} policy loss (a mean over the micro-batch's completion tokens), so the two "
-            "terms need different micro-batch weights",
-            "Use `loss_type='grpo'` or `'dr_grpo'` with a mixed loss, `distillation_weight` 0 or 1, or "
-            "`gradient_accumulation_steps=1` with the batch you want.",
+            f"with the {args.loss_type!r} policy loss (a mean over the micro-batch's completion tokens), whose weight "
+            "is taken from the window's generation batch, and with `steps_per_generation != "
+            "gradient_accumulation_steps` that batch is not the window",
+            "Set `steps_per_generation` equal to `gradient_accumulation_steps`, use `loss_type='grpo'` or "
+            "`'dr_grpo'` with a mixed loss, or `gradient_accumulation_steps=1` with the batch you want.",
         )
     return GenerationBatchAccumulation("SDPOTrainer", args.loss_type, LossItems(items))

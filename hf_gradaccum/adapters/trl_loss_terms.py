@@ -19,7 +19,7 @@ NLL value its `concatenated_forward` returns), and put back afterwards. Summed o
 large batch's loss; under several processes every count is the window's over all ranks, as the large batch's is.
 
 The window's counts come from the prefetched micro-batches where the loss sees those very batches, and from the
-buffered generation batch for GRPO, which generates the whole window before its first loss.
+buffered generation batch for GRPO and SDPO, which generate the whole window before its first loss.
 
 | trainer | option | primary items | second term, its items | lever |
 |---|---|---|---|---|
@@ -28,6 +28,7 @@ buffered generation batch for GRPO, which generates the whole window before its 
 | ORPOTrainer | (always) | pairs | the NLL term: chosen prompt and completion tokens (shifted) | `concatenated_forward` |
 | TPOTrainer | `tpo_alpha != 0` | triples (rows) | the NLL term: reference completion tokens | `tpo_alpha` |
 | GRPOTrainer | `entropy_coef != 0` | sequences | the entropy bonus: completion tokens | `entropy_coef` |
+| SDPOTrainer | `0 < distillation_weight < 1`, `bnpo`/`dapo` | sequences | the policy term: completion tokens | `_compute_policy_loss` |
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any
 import torch
 
 from .composed_class import nearest_trainer_named
-from .trl_grpo import LOSS_ITEMS, SEQUENCES
+from .trl_generating import SDPO_POLICY_ITEMS
+from .trl_grpo import COMPLETION_TOKENS, LOSS_ITEMS, SEQUENCES
 
 __all__ = ["LOSS_TERMS", "LossTerm", "WindowTermWeights", "window_term_weights_for"]
 
@@ -98,25 +100,31 @@ def _scale_dpo_sft_weight(trainer: Any, factor: float) -> Restore:
     return lambda: setattr(trainer, "loss_weights", saved)
 
 
-def _scale_orpo_nll(trainer: Any, factor: float) -> Restore:
-    # ORPO's loss is `policy_nll_loss - losses.mean()` with no weight on the NLL: the value its forward returns is
-    # scaled instead (its `nll_loss` metric then logs the micro-batch's weighted share).
-    had_own = "concatenated_forward" in vars(trainer)
-    original = trainer.concatenated_forward
+def _scale_output(method: str, index: int | None = None) -> Callable[[Any, float], Restore]:
+    """A lever for a term with no weight of its own: the value `method` returns (its element `index`) is scaled, by
+    an instance attribute that shadows the method for one loss."""
 
-    def concatenated_forward(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        return (*out[:4], out[4] * factor, *out[5:])
+    def lever(trainer: Any, factor: float) -> Restore:
+        had_own = method in vars(trainer)
+        original = getattr(trainer, method)
 
-    trainer.concatenated_forward = concatenated_forward
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if index is None:
+                return out * factor
+            return (*out[:index], out[index] * factor, *out[index + 1 :])
 
-    def restore() -> None:
-        if had_own:
-            trainer.concatenated_forward = original
-        else:
-            del trainer.concatenated_forward
+        setattr(trainer, method, scaled)
 
-    return restore
+        def restore() -> None:
+            if had_own:
+                setattr(trainer, method, original)
+            else:
+                delattr(trainer, method)
+
+        return restore
+
+    return lever
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,12 @@ def _nonzero(field: str) -> Callable[[Any], bool]:
     return lambda trainer: getattr(trainer.args, field, 0.0) != 0.0
 
 
+def _sdpo_token_policy_beside_distillation(trainer: Any) -> bool:
+    args = trainer.args
+    policy = SDPO_POLICY_ITEMS.get(getattr(args, "loss_type", None))
+    return 0.0 < getattr(args, "distillation_weight", 1.0) < 1.0 and policy == COMPLETION_TOKENS
+
+
 def _entropy_bonus_beside_sequence_mean(trainer: Any) -> bool:
     # A token-mean policy loss ('bnpo', 'dapo', ...) shares the entropy bonus's denominator: nothing to reweigh.
     args = trainer.args
@@ -202,7 +216,9 @@ LOSS_TERMS: tuple[LossTerm, ...] = (
         "pairs",
         lambda t: True,
         _orpo_chosen_tokens,
-        _scale_orpo_nll,
+        # ORPO's loss is `policy_nll_loss - losses.mean()`, no weight on the NLL: the value its forward returns is
+        # scaled (its `nll_loss` metric then logs the micro-batch's weighted share).
+        _scale_output("concatenated_forward", index=4),
     ),
     LossTerm(
         "TPOTrainer",
@@ -213,6 +229,16 @@ LOSS_TERMS: tuple[LossTerm, ...] = (
         _nonzero("tpo_alpha"),
         _reference_completion_tokens,
         _scale_attribute("tpo_alpha"),
+    ),
+    LossTerm(
+        "SDPOTrainer",
+        "distillation_weight",
+        "the policy term (`1 - distillation_weight`)",
+        "completion tokens",
+        "sequences",
+        _sdpo_token_policy_beside_distillation,
+        lambda trainer, inputs: inputs["completion_mask"].sum(),
+        _scale_output("_compute_policy_loss"),
     ),
     LossTerm(
         "GRPOTrainer",
