@@ -687,7 +687,14 @@ CASES += [
         settings={**_RL, "loss_type": "grpo", "top_entropy_quantile": 0.5, "entropy_coef": 0.1},
         build=rl_build,
         batch_settings=_generation_window,
-        expect="refused",
+    ),
+    ZooCase(
+        trainer="trl:GRPOTrainer",
+        config="trl:GRPOConfig",
+        variant="dapo, top_entropy_quantile=0.5 + entropy_coef",
+        settings={**_RL, "loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.1},
+        build=rl_build,
+        batch_settings=_generation_window,
     ),
     ZooCase(
         trainer="trl:RLOOTrainer",

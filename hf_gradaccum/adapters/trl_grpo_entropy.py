@@ -12,7 +12,9 @@ that quantile is a statistic of the micro-batch, so each would keep other tokens
 2. **Each micro-batch's loss** runs with `get_high_entropy_mask` answering from that threshold, with GRPO's own
    comparison (`entropies * mask >= threshold`, padding never kept).
 
-Each micro-batch then keeps exactly the tokens the large batch keeps, and its loss is the trainer's own over them.
+Each micro-batch then keeps exactly the tokens the large batch keeps, and its loss is the trainer's own over them. A
+static entropy bonus is then a mean over the kept tokens: the window pass counts them per micro-batch, and the bonus
+is weighted by its own share of them (`adapters/trl_loss_terms.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class WindowEntropyQuantile:
         self.quantile = quantile
         self.threshold: torch.Tensor | None = None
         self.empty = False
+        self._kept: dict[int, tuple[Any, int]] = {}
 
     def __repr__(self) -> str:
         return f"WindowEntropyQuantile(top_entropy_quantile={self.quantile})"
@@ -70,6 +73,7 @@ class WindowEntropyQuantile:
                 "with trl==1.16)."
             )
         recorded: list[torch.Tensor] = []
+        self._kept = {}
 
         def record(entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
             recorded.append(entropies[mask.bool()].detach().float())
@@ -98,6 +102,23 @@ class WindowEntropyQuantile:
         gathered = gathered[gathered != _PAD]
         self.empty = gathered.numel() == 0
         self.threshold = None if self.empty else torch.quantile(gathered, 1 - self.quantile)
+        for batch, entropies in zip(buffered, recorded, strict=True):
+            kept = 0 if self.empty else int((entropies >= self.threshold).sum())
+            self._kept[id(batch)] = (batch, kept)
+
+    def kept_tokens(self, trainer: Any, batch: Any) -> int:
+        """The completion tokens of `batch` (a buffered micro-batch of the window) at or above the window's
+        threshold: what an entropy bonus over the kept tokens is a mean over."""
+        if self.threshold is None and not self.empty:
+            self._window_threshold(trainer)
+        found = self._kept.get(id(batch))
+        if found is None or found[0] is not batch:
+            raise RuntimeError(
+                "GradAccumTrainer: GRPOTrainer's loss got a micro-batch that is not one of the window's buffered "
+                "ones, so its tokens above the window's entropy threshold are unknown. Stopped before the optimizer "
+                "step."
+            )
+        return found[1]
 
     def present(self, trainer: Any) -> Callable[[], None]:
         """For the loss about to run: `get_high_entropy_mask` answers from the window's threshold (taken first, at
@@ -123,7 +144,7 @@ def window_entropy_quantile_for(trainer: Any) -> WindowEntropyQuantile | None:
     """
     The [`WindowEntropyQuantile`] of a trainer composed with TRL's `GRPOTrainer` with `top_entropy_quantile < 1` and
     `gradient_accumulation_steps > 1`; `None` otherwise. Raises a [`CompositionError`] where the window is not one
-    generation batch, or an entropy bonus is a mean over the kept tokens.
+    generation batch, or beside the adaptive entropy bonus.
 
     Example:
 
@@ -145,10 +166,10 @@ def window_entropy_quantile_for(trainer: Any) -> WindowEntropyQuantile | None:
             "the quantile is taken over the window's buffered generation batch, which is the window only with "
             "`steps_per_generation == gradient_accumulation_steps` and `num_iterations=1`"
         )
-    elif getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+    elif getattr(args, "use_adaptive_entropy", False):
         why = (
-            "the entropy bonus is then a mean over the kept tokens, a count that is known only after the window's "
-            "entropies, beside a policy loss over all completion tokens"
+            "the adaptive entropy bonus is then a mean over the kept tokens, which needs a weight of its own per "
+            "micro-batch, and the adaptive controller rewrites the coefficient that carries it inside the loss"
         )
     if why is not None:
         raise CompositionError(

@@ -27,7 +27,7 @@ buffered generation batch for GRPO and SDPO, which generate the whole window bef
 | CPOTrainer | `cpo_alpha != 0` | pairs | the NLL term: chosen label tokens (shifted) | `cpo_alpha` |
 | ORPOTrainer | (always) | pairs | the NLL term: chosen prompt and completion tokens (shifted) | `concatenated_forward` |
 | TPOTrainer | `tpo_alpha != 0` | triples (rows) | the NLL term: reference completion tokens | `tpo_alpha` |
-| GRPOTrainer | `entropy_coef != 0` | sequences | the entropy bonus: completion tokens | `entropy_coef` |
+| GRPOTrainer | `entropy_coef != 0` | sequences (or tokens) | the entropy bonus: completion tokens (those above the window's entropy quantile) | `entropy_coef` |
 | SDPOTrainer | `0 < distillation_weight < 1`, `bnpo`/`dapo` | sequences | the policy term: completion tokens | `_compute_policy_loss` |
 """
 
@@ -79,6 +79,10 @@ def _orpo_chosen_tokens(trainer: Any, inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def _completion_tokens(trainer: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    quantile = getattr(trainer, "_entropy_quantile", None)
+    if quantile is not None:
+        # With `top_entropy_quantile < 1` the bonus is a mean over the tokens above the window's threshold.
+        return torch.tensor(quantile.kept_tokens(trainer, inputs))
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
@@ -179,12 +183,14 @@ def _sdpo_token_policy_beside_distillation(trainer: Any) -> bool:
     return 0.0 < getattr(args, "distillation_weight", 1.0) < 1.0 and policy == COMPLETION_TOKENS
 
 
-def _entropy_bonus_beside_sequence_mean(trainer: Any) -> bool:
-    # A token-mean policy loss ('bnpo', 'dapo', ...) shares the entropy bonus's denominator: nothing to reweigh.
+def _entropy_bonus_with_its_own_count(trainer: Any) -> bool:
+    # A token-mean policy loss ('bnpo', 'dapo', ...) shares the entropy bonus's denominator, nothing to reweigh,
+    # unless the bonus is over the tokens above an entropy quantile only.
     args = trainer.args
     items = LOSS_ITEMS.get(("GRPOTrainer", getattr(args, "loss_type", None)))
     bonus = getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False)
-    return bonus and items is not None and items.items == SEQUENCES
+    kept_only = getattr(args, "top_entropy_quantile", 1.0) < 1.0
+    return bonus and items is not None and (items.items == SEQUENCES or kept_only)
 
 
 LOSS_TERMS: tuple[LossTerm, ...] = (
@@ -246,7 +252,7 @@ LOSS_TERMS: tuple[LossTerm, ...] = (
         "the entropy bonus (`entropy_coef`)",
         "completion tokens",
         "sequences",
-        _entropy_bonus_beside_sequence_mean,
+        _entropy_bonus_with_its_own_count,
         _completion_tokens,
         _scale_attribute("entropy_coef"),
     ),
