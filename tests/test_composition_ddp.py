@@ -18,7 +18,9 @@ def test_composed_sft_with_lora_under_ddp_matches_large_batch(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("loss_types", "order"), [("sigmoid,sft", "gradaccum_first"), ("aot_unpaired", "dpo_first")], ids=["rpo", "aot"]
+    ("loss_types", "order"),
+    [("sigmoid,sft", "gradaccum_first"), pytest.param("aot_unpaired", "dpo_first", marks=pytest.mark.slow)],
+    ids=["rpo", "aot"],
 )
 def test_composed_dpo_terms_and_sorts_under_ddp(tmp_path, loss_types, order):
     # Two terms weighted by their own counts summed over both ranks; a sort over each rank's own window.
