@@ -74,12 +74,17 @@ def prompt_completion_dataset(n: int = B * K, seed: int = 7) -> datasets.Dataset
     )
 
 
-def preference_dataset(n: int = B * K, seed: int = 8, reference: bool = False) -> datasets.Dataset:
+def preference_dataset(
+    n: int = B * K, seed: int = 8, reference: bool = False, same_length: bool = False
+) -> datasets.Dataset:
+    """Preference rows; `same_length`: every completion 4 words, so that a tiny random model's log-ratios are not
+    ranked by the completions' lengths alone."""
     rng = random.Random(seed)
+    lo, hi = (4, 4) if same_length else (1, 6)
     rows = {
         "prompt": [_sentence(rng, 1, 5) for _ in range(n)],
-        "chosen": [_sentence(rng, 1, 6) for _ in range(n)],
-        "rejected": [_sentence(rng, 1, 6) for _ in range(n)],
+        "chosen": [_sentence(rng, lo, hi) for _ in range(n)],
+        "rejected": [_sentence(rng, lo, hi) for _ in range(n)],
     }
     if reference:
         rows["reference"] = [_sentence(rng, 1, 6) for _ in range(n)]
@@ -373,10 +378,18 @@ def teacher_prompt_build() -> dict[str, Any]:
 def preference_build(reference: bool = False, other_reference: bool = False) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
         kwargs = dict(
-            model=student(), train_dataset=preference_dataset(reference=reference), processing_class=tokenizer()
+            model=student(),
+            train_dataset=preference_dataset(reference=reference, same_length=other_reference),
+            processing_class=tokenizer(),
         )
         if other_reference:
-            kwargs["ref_model"] = student(seed=1)
+            # Another initialisation with a sharper head, on completions of one length: a tiny random model's
+            # log-probabilities are mostly the completion's length, which would rank the reference's log-ratios as
+            # the policy's.
+            reference_model = student(seed=1)
+            with torch.no_grad():
+                reference_model.lm_head.weight.mul_(30.0)
+            kwargs["ref_model"] = reference_model
         return kwargs
 
     return build

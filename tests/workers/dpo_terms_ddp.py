@@ -67,11 +67,16 @@ def main(output_dir: str, loss_types: str, order: str) -> None:
     types = loss_types.split(",")
     settings = {**COMMON, "per_device_train_batch_size": B, "gradient_accumulation_steps": K}
     args = DPOConfig(output_dir, loss_type=types, **settings)
-    reference_model = student(seed=1 if "aot_unpaired" in types else 0)
+    sorted_loss = "aot_unpaired" in types
+    reference_model = student(seed=1 if sorted_loss else 0)
+    if sorted_loss:
+        # As the zoo's "another reference" cases: ranks that are not the completions' lengths alone.
+        with torch.no_grad():
+            reference_model.lm_head.weight.mul_(30.0)
     trainer = ORDERS[order](
         model=student(),
         args=args,
-        train_dataset=preference_dataset(n=2 * B * K),
+        train_dataset=preference_dataset(n=2 * B * K, same_length=sorted_loss),
         processing_class=tokenizer(),
         ref_model=reference_model,
     )
