@@ -173,7 +173,8 @@ def window_entropy_quantile_for(trainer: Any) -> WindowEntropyQuantile | None:
         )
     if why is not None:
         raise CompositionError(
-            f"GradAccumTrainer cannot make GRPOTrainer with `top_entropy_quantile={quantile}` exact under gradient "
+            f"GradAccumTrainer cannot make GRPOTrainer with `loss_type={getattr(args, 'loss_type', None)!r}` and "
+            f"`top_entropy_quantile={quantile}` exact under gradient "
             f"accumulation: {why}. Fix: `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` with the "
             "batch you want."
         )
