@@ -13,12 +13,18 @@ pytest.importorskip("trl")
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "order", "entropy_coef"),
-    [("dapo", "gradaccum_first", "0"), ("bnpo", "grpo_first", "0"), ("grpo", "grpo_first", "0.1")],
+    ("loss_type", "order", "entropy_coef", "quantile"),
+    [
+        ("dapo", "gradaccum_first", "0", "1"),
+        ("bnpo", "grpo_first", "0", "1"),
+        ("grpo", "grpo_first", "0.1", "1"),
+        ("dapo", "gradaccum_first", "0.1", "0.5"),
+    ],
 )
-def test_composed_grpo_under_ddp_equals_one_batch_over_both_ranks(tmp_path, loss_type, order, entropy_coef):
-    # `grpo` with an entropy bonus: two terms, each weighted by its own count summed over both ranks.
-    proc = launch(str(tmp_path), loss_type, order, entropy_coef, script="tests/workers/grpo_ddp.py")
+def test_composed_grpo_under_ddp_equals_one_batch_over_both_ranks(tmp_path, loss_type, order, entropy_coef, quantile):
+    # `grpo` with an entropy bonus: two terms, each weighted by its own count summed over both ranks; with an entropy
+    # quantile, the threshold is the window's over both ranks and the bonus a mean over the tokens it keeps.
+    proc = launch(str(tmp_path), loss_type, order, entropy_coef, quantile, script="tests/workers/grpo_ddp.py")
     match = re.search(r"relative update error (\S+)", proc.stdout)
     assert match, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert float(match.group(1)) <= 1e-5, proc.stdout[-2000:]

@@ -9,7 +9,9 @@ GA = 1 under DDP averages the ranks' token means instead for `bnpo`, so it is no
 With `grpo` (a mean over sequences) and an entropy bonus (a mean over completion tokens), TRL's own loss on the one
 batch is the reference as it stands: each term is then a mean over all of the batch's sequences or tokens.
 
-Usage: `accelerate launch ... tests/workers/grpo_ddp.py OUTPUT_DIR LOSS_TYPE ORDER [ENTROPY_COEF]`.
+With `top_entropy_quantile < 1` the reference takes the quantile over the one batch's tokens, once each.
+
+Usage: `accelerate launch ... tests/workers/grpo_ddp.py OUTPUT_DIR LOSS_TYPE ORDER [ENTROPY_COEF [QUANTILE]]`.
 """
 
 import sys
@@ -44,9 +46,25 @@ def one_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
     }
 
 
-def main(output_dir: str, loss_type: str, order: str, entropy_coef: str = "0") -> None:
+def one_process_high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """GRPO's `get_high_entropy_mask` on one process: the quantile of the batch's own completion tokens (every rank
+    computes the reference on the whole batch, so TRL's gather would count each token once per rank)."""
+    values = entropies[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
+
+
+def main(output_dir: str, loss_type: str, order: str, entropy_coef: str = "0", quantile: str = "1") -> None:
     warnings.filterwarnings("ignore")
-    args = grpo_args(output_dir, ga=3, batch=4, loss_type=loss_type, entropy_coef=float(entropy_coef))
+    args = grpo_args(
+        output_dir,
+        ga=3,
+        batch=4,
+        loss_type=loss_type,
+        entropy_coef=float(entropy_coef),
+        top_entropy_quantile=float(quantile),
+    )
     run = train_grpo(GRPO_ORDERS[order], args)
     trainer = run.trainer
     assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel", type(trainer.model_wrapped)
@@ -66,6 +84,8 @@ def main(output_dir: str, loss_type: str, order: str, entropy_coef: str = "0") -
     trainer.current_gradient_accumulation_steps = 1
     if loss_type == "dapo":
         trainer.loss_type = "bnpo"  # the token mean over the batch (see the module docstring)
+    if float(quantile) < 1:
+        trainer.get_high_entropy_mask = one_process_high_entropy_mask
     trainer._compute_loss(model, batch).backward()
     params = [p for p in model.parameters() if p.requires_grad]
     reference = -torch.cat(
@@ -74,11 +94,12 @@ def main(output_dir: str, loss_type: str, order: str, entropy_coef: str = "0") -
     error = float((run.update - reference).norm() / reference.norm())
     if dist.get_rank() == 0:
         print(
-            f"DDP x2 {order} GRPO {loss_type}, entropy_coef {entropy_coef}: completion tokens per micro-batch "
+            f"DDP x2 {order} GRPO {loss_type}, entropy_coef {entropy_coef}, top_entropy_quantile {quantile}: "
+            "completion tokens per micro-batch "
             f"{tokens}, relative update error {error:.2e}"
         )
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
     leave_process_group_and_exit(0)  # an exit that cannot abort in gloo's teardown
