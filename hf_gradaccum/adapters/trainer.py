@@ -653,19 +653,23 @@ class GradAccumTrainer(Trainer):
             if not self._training:
                 return items, restore
             restores = [restore]
-            if self._entropy_quantile is not None:
-                # First: the window's threshold also says how many tokens an entropy bonus is a mean over.
-                restores.append(self._entropy_quantile.present(self))
-            if self._loss_terms is not None:
-                restores.append(self._loss_terms.scale(self, loss_inputs, items))
-            if self._sorted_loss is not None:
-                # (The batch the loop handed over: the loss's own inputs are its copy on the device.)
-                restores.append(self._sorted_loss.present(self, inputs))
 
             def restore_all() -> None:
                 for undo in reversed(restores):
                     undo()
 
+            try:
+                if self._entropy_quantile is not None:
+                    # First: the window's threshold also says how many tokens an entropy bonus is a mean over.
+                    restores.append(self._entropy_quantile.present(self))
+                if self._loss_terms is not None:
+                    restores.append(self._loss_terms.scale(self, loss_inputs, items))
+                if self._sorted_loss is not None:
+                    # (The batch the loop handed over: the loss's own inputs are its copy on the device.)
+                    restores.append(self._sorted_loss.present(self, inputs))
+            except BaseException:
+                restore_all()  # nothing the loss would have seen stays installed
+                raise
             return items, restore_all
 
         def items_for_loss(items: float) -> torch.Tensor | None:
