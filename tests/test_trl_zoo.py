@@ -5,8 +5,9 @@ generating trainers, the same generations), or refused with a `CompositionError`
 None trains silently wrong, none crashes. See `tests/trl_zoo_cases.py` for the cases and the generation stand-in.
 
 The default run keeps the trainers that trained silently wrong, crashed or were refused before counting moved to the
-loss (GKD on-policy, GMPO, Distillation, GOLD, IW-OPD, A*-PO, SDFT, SDPO) and TPO; the full zoo is `slow`
-(`pytest tests/test_trl_zoo.py -m slow`; the table: `python benchmarks/trl_zoo.py`).
+loss (GKD on-policy, GMPO, Distillation, GOLD, IW-OPD, A*-PO, SDFT, SDPO, Online DPO), one loss of each kind weighted
+per term (DPO's RPO, TPO with `tpo_alpha`, GRPO's entropy bonus) and a sort over the window (`aot_unpaired`); the full
+zoo is `slow` (`pytest tests/test_trl_zoo.py -m slow`; the table: `python benchmarks/trl_zoo.py`).
 """
 
 from __future__ import annotations

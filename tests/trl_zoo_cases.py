@@ -446,7 +446,6 @@ CASES += [
         variant="tpo_alpha=0",
         settings={"tpo_alpha": 0.0},
         build=preference_build(reference=True),
-        fast=True,
     ),
     ZooCase(
         trainer=f"{_X}.tpo:TPOTrainer",
@@ -454,6 +453,7 @@ CASES += [
         variant="tpo_alpha=1",
         settings={"tpo_alpha": 1.0},
         build=preference_build(reference=True),
+        fast=True,
     ),
     ZooCase(
         trainer=f"{_X}.cpo:CPOTrainer",
@@ -461,7 +461,6 @@ CASES += [
         variant="sigmoid",
         settings={},
         build=preference_build(),
-        fast=True,
     ),
     ZooCase(
         trainer=f"{_X}.cpo:CPOTrainer",
@@ -483,7 +482,6 @@ CASES += [
         variant="default",
         settings={},
         build=preference_build(),
-        fast=True,
     ),
     ZooCase(
         trainer=f"{_X}.gold:GOLDTrainer",
@@ -626,7 +624,6 @@ CASES += [
         variant="aot, another reference",
         settings={"loss_type": ["aot"]},
         build=preference_build(other_reference=True),
-        fast=True,
     ),
     ZooCase(
         trainer="trl:DPOTrainer",
@@ -691,7 +688,6 @@ CASES += [
         settings={**_RL, "loss_type": "bnpo", "top_entropy_quantile": 0.5},
         build=rl_build,
         batch_settings=_generation_window,
-        fast=True,
     ),
     ZooCase(
         trainer="trl:GRPOTrainer",
