@@ -65,7 +65,10 @@ def one_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 def main(output_dir: str, loss_types: str, order: str) -> None:
     warnings.filterwarnings("ignore")
     types = loss_types.split(",")
-    settings = {**COMMON, "per_device_train_batch_size": B, "gradient_accumulation_steps": K}
+    # (The windows are rebuilt from what each rank saw, so the sampling order does not matter: transformers < 5 has
+    # no `train_sampling_strategy`.)
+    common = {k: v for k, v in COMMON.items() if k != "train_sampling_strategy"}
+    settings = {**common, "per_device_train_batch_size": B, "gradient_accumulation_steps": K}
     args = DPOConfig(output_dir, loss_type=types, **settings)
     sorted_loss = "aot_unpaired" in types
     reference_model = student(seed=1 if sorted_loss else 0)
