@@ -7,11 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_coupled.py"
 MODES = ("plain", "forward_no_grad", "coupled", "trainer_plain", "trainer_coupled")
 
 
+# A benchmark smoke test of ~30 s on 2 cores: with the slow tests, so that `make test` stays under 10 minutes.
+@pytest.mark.slow
 def test_bench_coupled_runs_every_mode_and_prints_the_floor() -> None:
     cmd = [sys.executable, str(SCRIPT), "--batch", "8", "--steps", "2", "--seq_len", "8", "--repeats", "2"]
     out = subprocess.run([*cmd, "--threads", "1", "--modes", *MODES], capture_output=True, text=True, timeout=600)

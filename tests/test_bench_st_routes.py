@@ -14,6 +14,8 @@ pytest.importorskip("sentence_transformers")
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_st_routes.py"
 
 
+# A benchmark smoke test of ~30 s on 2 cores: with the slow tests, so that `make test` stays under 10 minutes.
+@pytest.mark.slow
 def test_bench_st_routes_runs_each_route():
     cmd = [sys.executable, str(SCRIPT), "--hidden", "16", "--batch", "4", "--steps", "2", "--optimizer_steps", "3"]
     out = subprocess.run([*cmd, "--rounds", "1", "--loss", "contrastive"], capture_output=True, text=True, timeout=600)
