@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "benchmarks" / "profile_trainer_window.py"
 
 
+# A benchmark smoke test of ~20 s: with the slow tests, so that `make test` stays under 10 minutes.
+@pytest.mark.slow
 def test_profile_trainer_window_resnet18(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     cmd = [sys.executable, str(SCRIPT), "--shape", "resnet18", "--image_size", "32", "--micro_batch", "2"]

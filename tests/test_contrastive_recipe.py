@@ -48,6 +48,8 @@ def test_recipe_coupled_matches_large_batch_and_plain_does_not(tmp_path):
     assert "| coupled |" in (out / "report.md").read_text()
 
 
+# A second recipe run of ~15 s (the first covers the coupled mode): with the slow tests, so that `make test` stays under 10 minutes.
+@pytest.mark.slow
 def test_recipe_from_scratch_encoder_coupled_matches_large_batch(tmp_path):
     """The default config's encoder (2 layers x 128, random init): the coupled arm's per-step loss is the large
     batch's at 1e-5 relative, and the report states the recall of every arm against the large batch's."""

@@ -42,7 +42,8 @@ def uninterrupted(tmp_path_factory):
     "kill_at",
     [
         "window:2",
-        "save:3",
+        # ~13 s each: with the slow tests, so that `make test` stays under 10 minutes.
+        pytest.param("save:3", marks=pytest.mark.slow),
         pytest.param("save:1", marks=pytest.mark.slow),
         pytest.param("window:6", marks=pytest.mark.slow),
     ],

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "benchmarks" / "st_own_trainer_tests.py"
 
@@ -31,6 +33,8 @@ def test_accumulation_steps_are_forced(tmp_path):
 """
 
 
+# A harness smoke test of ~15 s: with the slow tests, so that `make test` stays under 10 minutes.
+@pytest.mark.slow
 def test_harness_swaps_the_trainers_and_forces_the_accumulation_steps(tmp_path: Path) -> None:
     tests = tmp_path / "tests"
     tests.mkdir()
