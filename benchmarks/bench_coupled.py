@@ -51,7 +51,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     from transformers import BertConfig, BertModel
 
     from hf_gradaccum import GradientAccumulator
-    from hf_gradaccum.adapters.coupled import ranking_coupled_loss
+    from hf_gradaccum.losses.coupled import ranking_coupled_loss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -45,7 +45,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from hf_gradaccum import GradientAccumulator, count_items_in_batch
-    from hf_gradaccum.adapters.moe import WindowRouterBalance
+    from hf_gradaccum.losses.moe import WindowRouterBalance
 
     torch.manual_seed(args.seed)
     config = MixtralConfig(

@@ -39,7 +39,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from hf_gradaccum import GradAccumTrainer
-    from hf_gradaccum.adapters.sentence_transformers import register_sentence_transformers_loss
+    from hf_gradaccum.integrations.sentence_transformers.routing import register_sentence_transformers_loss
     from tests.st_cases import pairs, st_args, tiny_sentence_transformer
 
     warnings.filterwarnings("ignore")

@@ -7,7 +7,7 @@ the refusal. Tiny random-init 2-layer BERT models, dropout off, offline (`tests/
     python benchmarks/st_trainers_zoo.py            # run from the repository root; prints a Markdown table
     python benchmarks/st_trainers_zoo.py ListNet    # only the rows whose loss name contains "ListNet"
 
-Rows: what `adapters/sentence_transformers.py` routes (coupled, item mean) and what it checks and refuses.
+Rows: what `integrations/sentence_transformers/routing.py` routes (coupled, item mean) and what it checks and refuses.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
 """hf_gradaccum: gradient accumulation that is exactly the large-batch update, for transformers and accelerate.
 
-The package has four parts; each may import only the ones listed before it (`tests/test_layout.py` checks this):
+The package is laid out in floors, each a folder that imports only the floors below it (docs/architecture.md;
+`tests/test_layout.py` checks it):
 
-- `engine/`: the accumulation itself (buffers, item weighting, windows, fp16 loss scaling, distributed reduction,
-  item counting, the out-of-memory window retry). torch and accelerate only; no transformers.
-- `helpers/`: batch-size helpers (BatchNorm treatments, learning-rate scaling, micro-batch planning).
-- `adapters/`: `GradAccumTrainer` and `GradAccumArguments`, thin transformers adapters over the engine.
-- `verification`: the split-invariance exactness check.
-- `assets.py` (offline model/data files the CLI defaults to) and `cli.py` (`hf-gradaccum verify`) sit beside them.
+- `engine/`: the accumulation itself in plain PyTorch (buffers, item weighting, windows, fp16 loss scaling,
+  distributed reduction, sharded buffers, the window losses, the run's batch). No transformers;
+- `helpers/` (BatchNorm, learning rate, planning), `verification/` (the split-invariance check), `diagnostics/`;
+- `config/`: `GradAccumArguments` and `GradAccumFields`, and the transformers releases they run on;
+- `distributed/`: DeepSpeed, FSDP2, TP/HSDP and the run's batch as the Trainer sets them up;
+- `losses/`: what a loss divides by, measured on the first window, and `GradientAccumulator` for plain loops;
+- `integrations/`: TRL's and sentence-transformers' trainers, reached through `integrations/registry.py`;
+- `trainer/`: `GradAccumTrainer`, a thin adapter over all of the above;
+- `assets.py`, `versions.py`, `input_checks.py` and `cli.py` (`hf-gradaccum`) sit beside them.
 
 The recipes' parity experiment harness lives outside the package, in `recipes/harness/`.
 
@@ -21,6 +25,10 @@ a loss over the whole window as its `coupled_loss=`; exact MoE balancing as `moe
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -28,34 +36,34 @@ __version__ = "0.1.0"
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
     # plain loops (engine)
-    "GradientAccumulator": ".adapters.plain_loop_rule",
+    "GradientAccumulator": ".losses.plain_loop",
     "WindowResult": ".engine.window",
     "DynamicLossScaler": ".engine.loss_scaling",
-    "AccumulatorCheckpoint": ".engine.fsdp2.checkpoint",
+    "AccumulatorCheckpoint": ".engine.sharded.fsdp2_checkpoint",
     "count_items_in_batch": ".engine.items",
     "count_items_in_batches": ".engine.items",
     "WindowOOMRetry": ".engine.oom_retry",
-    "RunBatchSampler": ".engine.run_batch_sampler",
+    "RunBatchSampler": ".engine.run_batch.sampler",
     # transformers
-    "GradAccumTrainer": ".adapters.trainer",
-    "GradAccumArguments": ".adapters.arguments",
-    "GradAccumFields": ".adapters.arguments",
+    "GradAccumTrainer": ".trainer.trainer",
+    "GradAccumArguments": ".config.arguments",
+    "GradAccumFields": ".config.arguments",
     # losses that couple the batch (in-batch negatives): gradient caching, docs/coupled_losses.md
-    "CoupledLoss": ".engine.coupled",
-    "clip_coupled_loss": ".adapters.coupled",
-    "ranking_coupled_loss": ".adapters.coupled",
+    "CoupledLoss": ".engine.window_losses.coupled",
+    "clip_coupled_loss": ".losses.coupled",
+    "ranking_coupled_loss": ".losses.coupled",
     # exact window-level MoE load balancing, docs/moe_balance.md
-    "WindowRouterBalance": ".adapters.moe",
+    "WindowRouterBalance": ".losses.moe",
     # exactness check
     "verify_split_invariance": ".verification",
     "SplitInvarianceResult": ".verification",
-    "AccumulationNotExactError": ".adapters.accumulation_check",
+    "AccumulationNotExactError": ".losses.accumulation_check",
     # batch-size helpers
     "plan_accumulation": ".helpers.planning",
     "AccumulationPlan": ".helpers.planning",
     "CannotShrinkMicroBatchError": ".helpers.planning",
     "scale_learning_rate": ".helpers.lr_scaling",
-    "EffectiveBatchCallback": ".adapters.effective_batch",
+    "EffectiveBatchCallback": ".trainer.effective_batch",
     "apply_accumulation_bn_momentum": ".helpers.normalization",
     "convert_batchnorm_to_groupnorm": ".helpers.normalization",
     "freeze_batchnorm": ".helpers.normalization",
@@ -91,6 +99,78 @@ __all__ = [
 ]
 
 
+# Modules that moved when the package was laid out in floors (docs/architecture.md): an old path still imports, as the
+# module at its new path, so that pickles keep loading (a checkpoint's `training_args.bin` names `GradAccumArguments`
+# by `hf_gradaccum.adapters.arguments`) and so does code written against the old layout, with a warning.
+_MOVED_MODULES: dict[str, str] = {
+    "adapters": "trainer",
+    "adapters.accumulation_check": "losses.accumulation_check",
+    "adapters.arguments": "config.arguments",
+    "adapters.atomic_checkpoints": "trainer.atomic_checkpoints",
+    "adapters.compat": "config.compat",
+    "adapters.composed_class": "losses.composed_class",
+    "adapters.composition_error": "losses.composition_error",
+    "adapters.compositions": "integrations.registry",
+    "adapters.coupled": "losses.coupled",
+    "adapters.deepspeed": "distributed.deepspeed",
+    "adapters.effective_batch": "trainer.effective_batch",
+    "adapters.loss_counting": "losses.counting",
+    "adapters.loss_handover": "trainer.loss_handover",
+    "adapters.loss_rule": "losses.rule",
+    "adapters.model_inspection": "losses.model_inspection",
+    "adapters.model_losses": "losses.model_losses",
+    "adapters.moe": "losses.moe",
+    "adapters.parallelism": "distributed.parallelism",
+    "adapters.plain_loop_rule": "losses.plain_loop",
+    "adapters.probe_gradients": "losses.probe_gradients",
+    "adapters.run_batch": "distributed.run_batch",
+    "adapters.sentence_transformers": "integrations.sentence_transformers.routing",
+    "adapters.sharding": "distributed.sharding",
+    "adapters.step_gating": "trainer.step_gating",
+    "adapters.trainer": "trainer.trainer",
+    "adapters.training_checks": "config.training_checks",
+    "adapters.trl_dpo_sorted": "integrations.trl.dpo_sorted",
+    "adapters.trl_generating": "integrations.trl.generating",
+    "adapters.trl_grpo": "integrations.trl.grpo",
+    "adapters.trl_grpo_entropy": "integrations.trl.grpo_entropy",
+    "adapters.trl_kto": "integrations.trl.kto",
+    "adapters.trl_loss_terms": "integrations.trl.loss_terms",
+    "adapters.window_end": "trainer.window_end",
+    "engine.coupled": "engine.window_losses.coupled",
+    "engine.fsdp2": "engine.sharded",
+    "engine.fsdp2.buffers": "engine.sharded.fsdp2_buffers",
+    "engine.fsdp2.checkpoint": "engine.sharded.fsdp2_checkpoint",
+    "engine.fsdp2.schedule": "engine.sharded.fsdp2_schedule",
+    "engine.grouped_coupled": "engine.window_losses.grouped_coupled",
+    "engine.moe_balance": "engine.window_losses.moe_balance",
+    "engine.run_batch_sampler": "engine.run_batch.sampler",
+    "engine.tensor_parallel": "engine.sharded.tensor_parallel",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a moved module's old name and loads it as the module at its new name (one module object for both)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        moved = _MOVED_MODULES.get(fullname.removeprefix(__name__ + "."))
+        if not fullname.startswith(__name__ + ".") or moved is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = f"{__name__}.{_MOVED_MODULES[spec.name.removeprefix(__name__ + '.')]}"
+        warnings.warn(f"`{spec.name}` moved to `{new}`; import it from there.", FutureWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The module at the new name has run already."""
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+    # First, so that an old package path (`hf_gradaccum.adapters`) never loads a second copy of a module under it.
+    sys.meta_path.insert(0, _MovedModuleFinder())
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
@@ -105,20 +185,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
-    from .adapters.accumulation_check import AccumulationNotExactError
-    from .adapters.arguments import GradAccumArguments, GradAccumFields
-    from .adapters.coupled import clip_coupled_loss, ranking_coupled_loss
-    from .adapters.effective_batch import EffectiveBatchCallback
-    from .adapters.moe import WindowRouterBalance
-    from .adapters.plain_loop_rule import GradientAccumulator
-    from .adapters.trainer import GradAccumTrainer
-    from .engine.coupled import CoupledLoss
-    from .engine.fsdp2.checkpoint import AccumulatorCheckpoint
+    from .config.arguments import GradAccumArguments, GradAccumFields
     from .engine.items import count_items_in_batch, count_items_in_batches
     from .engine.loss_scaling import DynamicLossScaler
     from .engine.oom_retry import WindowOOMRetry
-    from .engine.run_batch_sampler import RunBatchSampler
+    from .engine.run_batch.sampler import RunBatchSampler
+    from .engine.sharded.fsdp2_checkpoint import AccumulatorCheckpoint
     from .engine.window import WindowResult
+    from .engine.window_losses.coupled import CoupledLoss
     from .helpers.lr_scaling import scale_learning_rate
     from .helpers.normalization import (
         apply_accumulation_bn_momentum,
@@ -126,4 +200,10 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         freeze_batchnorm,
     )
     from .helpers.planning import AccumulationPlan, CannotShrinkMicroBatchError, plan_accumulation
+    from .losses.accumulation_check import AccumulationNotExactError
+    from .losses.coupled import clip_coupled_loss, ranking_coupled_loss
+    from .losses.moe import WindowRouterBalance
+    from .losses.plain_loop import GradientAccumulator
+    from .trainer.effective_batch import EffectiveBatchCallback
+    from .trainer.trainer import GradAccumTrainer
     from .verification import SplitInvarianceResult, verify_split_invariance

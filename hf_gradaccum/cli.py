@@ -350,8 +350,8 @@ def verify(args: argparse.Namespace) -> int:
     """Run the check; the exit status of `hf-gradaccum verify` (see `EXIT_CODES`). Inputs are checked first."""
     import torch
 
-    from .adapters.model_inspection import loss_shifts_labels
     from .helpers.normalization import convert_batchnorm_to_groupnorm, freeze_batchnorm
+    from .losses.model_inspection import loss_shifts_labels
     from .verification import verify_split_invariance
 
     start = time.perf_counter()
@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "env":
             return run_env(args)
         if args.command == "compositions":
-            from .adapters.compositions import composition_table
+            from .integrations.registry import composition_table
 
             print(composition_table())
             return EXIT_EXACT

@@ -46,9 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
-from hf_gradaccum.adapters.coupled import mean_pool, ranking_coupled_loss, ranking_window_loss  # noqa: E402
 from hf_gradaccum.assets import MissingAssetError, locate_asset  # noqa: E402
 from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.losses.coupled import mean_pool, ranking_coupled_loss, ranking_window_loss  # noqa: E402
 
 ARMS = ("large_batch", "coupled", "plain", "small_batch")
 POSITIVES = ("opening", "middle")

@@ -24,7 +24,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from hf_gradaccum import GradientAccumulator  # noqa: E402
-from hf_gradaccum.adapters.arguments import launched_data_parallel_without_accelerator  # noqa: E402
+from hf_gradaccum.config.arguments import launched_data_parallel_without_accelerator  # noqa: E402
 from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The transformers compatibility layer (`hf_gradaccum/adapters/compat.py`), checked against the installed release.
+"""The transformers compatibility layer (`hf_gradaccum/config/compat.py`), checked against the installed release.
 
 The same file runs in every virtualenv of `make test-compat` (the oldest supported stack, a CUDA image's stack and
 the newest releases) and in the main suite, so each supported release gets its own run of these checks."""
@@ -18,8 +18,8 @@ from packaging.requirements import Requirement
 from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import versions
-from hf_gradaccum.adapters import compat
-from hf_gradaccum.adapters.compat import (
+from hf_gradaccum.config import compat
+from hf_gradaccum.config.compat import (
     SUPPORTED_TRANSFORMERS,
     UnsupportedTransformersError,
     check_transformers_version,

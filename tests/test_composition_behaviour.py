@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from hf_gradaccum import GradAccumArguments, GradAccumFields, GradAccumTrainer
-from hf_gradaccum.adapters.model_inspection import loss_shifts_labels, unwrap_model
+from hf_gradaccum.losses.model_inspection import loss_shifts_labels, unwrap_model
 from tests.composition_cases import (
     NUM_SAMPLES,
     TRAIN_ARGS,

@@ -1,7 +1,7 @@
 """GradAccumTrainer composed with TRL's GRPOTrainer, in either class order, against the stock GRPOTrainer on one batch
 of b x K: b = 4 completions per micro-batch, K = 3 accumulation steps, one SGD(lr=1) step on the same generations
 (checked token by token), fp32, tolerance 1e-5 relative on the update. Every loss type averages over what
-`hf_gradaccum/adapters/trl_grpo.py` says (sequences or completion tokens), so each equals the large batch, `bnpo`
+`hf_gradaccum/integrations/trl/grpo.py` says (sequences or completion tokens), so each equals the large batch, `bnpo`
 included, which the stock trainer at GA = K does not (about 0.4 here; see the slow table,
 `pytest tests/test_composition_grpo.py -m slow -s -k table`).
 """
@@ -78,7 +78,7 @@ def test_two_reward_functions(tmp_path):
 
 
 # A token mean beside the bonus's token mean; and a mean over sequences, where the bonus gets a weight of its own
-# (`adapters/trl_loss_terms.py`).
+# (`integrations/trl/loss_terms.py`).
 @pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
 def test_entropy_bonus(tmp_path, loss_type):
     _check_both_orders(tmp_path, loss_type=loss_type, entropy_coef=0.1)

@@ -4,7 +4,7 @@ the same rows as one batch: one SGD(lr=1) step at b = 4, K = 3, fp32, tolerance 
 `loss_type='kto'` compares each completion's log-ratio with a KL baseline estimated from mismatched (prompt,
 completion) pairs, which TRL builds by rotating completions within each batch. The composed trainer builds them
 within the window's b x K rows and computes one baseline over the window before its first micro-batch
-(`hf_gradaccum/adapters/trl_kto.py`); the stock KTOTrainer at GA = K rotates within each micro-batch and uses each
+(`hf_gradaccum/integrations/trl/kto.py`); the stock KTOTrainer at GA = K rotates within each micro-batch and uses each
 micro-batch's own baseline, which is checked to be outside the tolerance (so the comparison can fail). The reference
 model is initialised apart from the policy, so the baseline is far from 0 (and from TRL's clamp at 0).
 `apo_zero_unpaired` (no KL term) is a mean over completions and equals the large batch too. BCO (removed before

@@ -1,4 +1,4 @@
-"""The composition registry (`hf_gradaccum/adapters/compositions.py`): one table of how each composed trainer and loss
+"""The composition registry (`hf_gradaccum/integrations/registry.py`): one table of how each composed trainer and loss
 accumulates, kept in step with the feature slices that carry it out, and what happens to a composition it does not
 know. TRL's `CPOTrainer` (in `trl.experimental`) stands in for a real unknown trainer, with its registry rows and its
 per-term weighting taken away for those tests (`cpo_unknown`): its loss is a mean over pairs plus `cpo_alpha` times a
@@ -20,8 +20,9 @@ pytest.importorskip("trl")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from hf_gradaccum import GradAccumFields, GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters import compositions, trl_loss_terms  # noqa: E402
-from hf_gradaccum.adapters.compositions import (  # noqa: E402
+from hf_gradaccum.cli import main as cli_main  # noqa: E402
+from hf_gradaccum.integrations import registry as compositions  # noqa: E402
+from hf_gradaccum.integrations.registry import (  # noqa: E402
     HOW,
     REGISTRY,
     CompositionError,
@@ -29,8 +30,8 @@ from hf_gradaccum.adapters.compositions import (  # noqa: E402
     register_composition,
     unknown_composed_trainer,
 )
-from hf_gradaccum.adapters.trl_grpo import LOSS_ITEMS  # noqa: E402
-from hf_gradaccum.cli import main as cli_main  # noqa: E402
+from hf_gradaccum.integrations.trl import loss_terms as trl_loss_terms  # noqa: E402
+from hf_gradaccum.integrations.trl.grpo import LOSS_ITEMS  # noqa: E402
 from hf_gradaccum.verification.windows import concat_window, cut  # noqa: E402
 from tests.composition_cases import TRAIN_ARGS, flat_trainable, tiny_llama, word_tokenizer  # noqa: E402
 from tests.test_composition import _preference_dataset  # noqa: E402

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hf_gradaccum.engine.accumulator import GradientAccumulator
-from hf_gradaccum.engine.coupled import CoupledLoss
 from hf_gradaccum.engine.loss_scaling import DynamicLossScaler
 from hf_gradaccum.engine.rng import capture_rng_state, restore_rng_state
+from hf_gradaccum.engine.window_losses.coupled import CoupledLoss
 from tests.workers.coupled_cases import (
     CASES,
     TwoTower,

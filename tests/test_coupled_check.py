@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_gradaccum import verify_split_invariance
-from hf_gradaccum.adapters.coupled import verify_coupled_split_invariance
+from hf_gradaccum.losses.coupled import verify_coupled_split_invariance
 from tests.workers.coupled_cases import CASES
 
 

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from hf_gradaccum.adapters.deepspeed import accumulate_in_fp32
 from hf_gradaccum.diagnostics.environment import collect_environment, format_environment
+from hf_gradaccum.distributed.deepspeed import accumulate_in_fp32
 
 
 def test_fp32_accumulation_and_reduction_are_set_when_unset():
@@ -34,7 +34,7 @@ def test_lower_accumulation_dtype_is_refused(dtype):
 
 def test_lower_communication_dtype_is_kept_with_a_warning(caplog):
     config = {"communication_data_type": "bf16"}
-    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.adapters.deepspeed"):
+    with caplog.at_level(logging.WARNING, logger="hf_gradaccum.distributed.deepspeed"):
         accumulate_in_fp32(config)
     assert config["communication_data_type"] == "bf16"
     assert "communication_data_type: bf16" in caplog.text

@@ -331,7 +331,7 @@ def test_hyperparameter_search_trials_keep_the_window_scaler(tmp_path):
     hyperparameter search (which may re-create the Accelerator per trial) runs with `WindowGradScaler`, and the best
     trial's objective equals a plain run at its learning rate (1e-5 relative)."""
     pytest.importorskip("optuna", reason="optuna is not installed: Trainer.hyperparameter_search needs a backend")
-    from hf_gradaccum.adapters.step_gating import WindowGradScaler
+    from hf_gradaccum.trainer.step_gating import WindowGradScaler
     from tests.fidelity_support import args, data
 
     scalers = []

@@ -73,7 +73,7 @@ def test_trainer_raises_accelerates_bf16_reduce_dtype_to_fp32(caplog):
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from hf_gradaccum.adapters.sharding import _reduce_in_fp32
+    from hf_gradaccum.distributed.sharding import _reduce_in_fp32
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     plugin.set_mixed_precision("bf16")

@@ -111,7 +111,7 @@ def test_trainer_refuses_once_per_window_without_fsdp2_at_construction(overrides
 def test_once_per_window_with_fp16_recompute_is_refused_with_the_fix():
     from types import SimpleNamespace
 
-    from hf_gradaccum.adapters.sharding import _check_reduce_schedule
+    from hf_gradaccum.distributed.sharding import _check_reduce_schedule
 
     args = SimpleNamespace(fsdp_reduce_schedule="once_per_window", fp16=True, overflow_policy="recompute")
     with pytest.raises(ValueError, match="needs `overflow_policy='skip'`"):

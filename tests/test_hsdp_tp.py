@@ -208,7 +208,7 @@ def test_context_and_sequence_parallelism_are_refused(name):
     config, so no processes are needed)."""
     from accelerate import ParallelismConfig
 
-    from hf_gradaccum.adapters.parallelism import check_trainer_parallelism
+    from hf_gradaccum.distributed.parallelism import check_trainer_parallelism
 
     config = ParallelismConfig(**{f"{name}_size": 2})
     trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=config), model=None)

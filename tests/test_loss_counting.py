@@ -1,5 +1,5 @@
-"""Counting where the loss is (`hf_gradaccum/adapters/loss_counting.py`) and choosing registry rows by the nearest
-library class (`adapters/composed_class.py`): which trainers hand their loss the prefetched batch, which are unknown,
+"""Counting where the loss is (`hf_gradaccum/losses/counting.py`) and choosing registry rows by the nearest
+library class (`losses/composed_class.py`): which trainers hand their loss the prefetched batch, which are unknown,
 the logged loss when the loss sees other rows than were prefetched, and refusals instead of tracebacks. Exactness
 itself is measured against the stock trainers in `tests/test_trl_zoo.py`."""
 
@@ -18,9 +18,9 @@ from trl.experimental.gold import GOLDTrainer  # noqa: E402
 from trl.experimental.sdpo import SDPOTrainer  # noqa: E402
 
 from hf_gradaccum import GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters.composed_class import library_trainer  # noqa: E402
-from hf_gradaccum.adapters.compositions import CompositionError, unknown_composed_trainer  # noqa: E402
-from hf_gradaccum.adapters.loss_counting import WindowLossLog, hands_batch_to_loss_unchanged  # noqa: E402
+from hf_gradaccum.integrations.registry import CompositionError, unknown_composed_trainer  # noqa: E402
+from hf_gradaccum.losses.composed_class import library_trainer  # noqa: E402
+from hf_gradaccum.losses.counting import WindowLossLog, hands_batch_to_loss_unchanged  # noqa: E402
 from tests.test_composition_registry import B, K, _trainer, cpo_unknown  # noqa: E402, F401 (a fixture)
 
 

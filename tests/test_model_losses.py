@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from hf_gradaccum.adapters.model_losses import ModelLossError
 from hf_gradaccum.engine.loss_normalisation import measure_loss_normalisation
+from hf_gradaccum.losses.model_losses import ModelLossError
 from hf_gradaccum.verification.windows import concat_window, take_rows
 
 from .model_loss_cases import build, flat, one_step

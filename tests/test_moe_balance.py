@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator, count_items_in_batch
-from hf_gradaccum.adapters.moe import WindowRouterBalance
-from hf_gradaccum.engine.moe_balance import exact_aux_term, router_counts
+from hf_gradaccum.engine.window_losses.moe_balance import exact_aux_term, router_counts
+from hf_gradaccum.losses.moe import WindowRouterBalance
 from tests.composition_cases import (
     NUM_SAMPLES,
     TRAIN_ARGS,
@@ -231,7 +231,7 @@ def test_ddp_exact_mode_matches_the_large_batch_over_all_ranks(tmp_path):
 def test_training_forwards_route_as_counted_with_router_jitter(start_and_windows):
     """With router jitter (random in train mode), the forward-only pass restores the torch RNG state, so the training
     forwards draw the same noise and route exactly as the window's counts say; without the restore they differ."""
-    from hf_gradaccum.adapters.moe import capture_router_logits
+    from hf_gradaccum.losses.moe import capture_router_logits
 
     model, windows = start_and_windows
     model = copy.deepcopy(model).train()

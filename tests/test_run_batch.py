@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 from transformers import BertForSequenceClassification, TrainingArguments, default_data_collator
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator
-from hf_gradaccum.adapters.run_batch import resolve_run_batch_arguments
-from hf_gradaccum.engine.run_batch import RunBatchLayout
-from hf_gradaccum.engine.run_batch_sampler import RunBatchSampler
+from hf_gradaccum.config.run_batch_arguments import resolve_run_batch_arguments
+from hf_gradaccum.engine.run_batch.layout import RunBatchLayout
+from hf_gradaccum.engine.run_batch.sampler import RunBatchSampler
 from hf_gradaccum.helpers.planning import plan_accumulation
 from tests.ordering import HAS_SAMPLING_STRATEGY
 from tests.parity_cases import CASES, relative_update_error, seq_cls_data, tiny_bert_config

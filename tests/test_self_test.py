@@ -38,7 +38,7 @@ BREAKS = {
     # DDP: the buffers are not all-reduced at the window's end; FSDP2: the reduce-scatter averages
     "reduction": """
         import hf_gradaccum.engine.accumulator as accumulator
-        import hf_gradaccum.engine.fsdp2.buffers as sharded
+        import hf_gradaccum.engine.sharded.buffer_choice as sharded
         reduce_window = accumulator.reduce_window
         def statistics_only(*args, **kwargs):
             return reduce_window(*args, **{**kwargs, "reduce_buffers": False})

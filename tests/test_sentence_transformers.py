@@ -20,7 +20,7 @@ from sentence_transformers import SentenceTransformerTrainer, losses  # noqa: E4
 from sentence_transformers.util import dot_score  # noqa: E402
 
 from hf_gradaccum import GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters.sentence_transformers import (  # noqa: E402
+from hf_gradaccum.integrations.sentence_transformers.routing import (  # noqa: E402
     SentenceTransformersLossError,
     register_sentence_transformers_loss,
     sentence_transformers_route,

@@ -41,7 +41,7 @@ from sentence_transformers.sparse_encoder.callbacks.splade_callbacks import (  #
 )
 
 from hf_gradaccum import GradAccumTrainer  # noqa: E402
-from hf_gradaccum.adapters.sentence_transformers import SentenceTransformersLossError  # noqa: E402
+from hf_gradaccum.integrations.sentence_transformers.routing import SentenceTransformersLossError  # noqa: E402
 from tests.st_cases import (  # noqa: E402
     flat,
     listwise,

@@ -185,7 +185,7 @@ def test_effective_batch_callback_works_with_the_stock_trainer(tmp_path, caplog)
         train_dataset=case.make_data(16, torch.Generator().manual_seed(0)),
         callbacks=[linear],
     )
-    with caplog.at_level("WARNING", logger="hf_gradaccum.adapters.effective_batch"):
+    with caplog.at_level("WARNING", logger="hf_gradaccum.trainer.effective_batch"):
         trainer.train()
     assert trainer.args.learning_rate == pytest.approx(4e-3)
     assert any("consider `warmup_steps=10`" in r.getMessage() for r in caplog.records)  # 5 epochs x 2 steps
@@ -208,7 +208,7 @@ def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched
     relative."""
     from accelerate import Accelerator
 
-    from hf_gradaccum.adapters.compat import trainer_reads_loss_is_scaled_for_ga
+    from hf_gradaccum.config.compat import trainer_reads_loss_is_scaled_for_ga
 
     backward_calls = []
     original_backward = Accelerator.backward

@@ -12,8 +12,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.adapters.accumulation_check import CHECK_FILE_NAME
-from hf_gradaccum.adapters.arguments import GradAccumFields
+from hf_gradaccum.config.arguments import GradAccumFields
+from hf_gradaccum.losses.accumulation_check import CHECK_FILE_NAME
 from tests.ordering import SEQUENTIAL_ORDER
 from tests.parity_cases import CASES
 

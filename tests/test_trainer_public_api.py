@@ -6,7 +6,7 @@ import hf_gradaccum
 
 
 def test_public_names_resolve_and_the_exactness_error_is_exported():
-    from hf_gradaccum.adapters.accumulation_check import AccumulationNotExactError
+    from hf_gradaccum.losses.accumulation_check import AccumulationNotExactError
 
     assert hf_gradaccum.AccumulationNotExactError is AccumulationNotExactError
     assert set(hf_gradaccum.__all__) == set(hf_gradaccum._EXPORTS)

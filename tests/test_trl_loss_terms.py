@@ -1,5 +1,5 @@
-"""Losses of several terms and statistics of the batch (`adapters/trl_loss_terms.py`, `adapters/trl_dpo_sorted.py`,
-`adapters/trl_grpo_entropy.py`): what the parity of the zoo (`tests/test_trl_zoo.py`) does not show. The trainer's
+"""Losses of several terms and statistics of the batch (`integrations/trl/loss_terms.py`, `integrations/trl/dpo_sorted.py`,
+`integrations/trl/grpo_entropy.py`): what the parity of the zoo (`tests/test_trl_zoo.py`) does not show. The trainer's
 own settings are as configured after training (every lever is put back after each loss, the window pass leaves no
 metrics of its own), the registry names each term, and nothing is installed where one term or one micro-batch
 needs no weighting."""
@@ -14,8 +14,9 @@ import torch
 
 pytest.importorskip("trl")
 
-from hf_gradaccum.adapters import trl_dpo_sorted, trl_loss_terms  # noqa: E402
-from hf_gradaccum.adapters.compositions import REGISTRY  # noqa: E402
+from hf_gradaccum.integrations.registry import REGISTRY  # noqa: E402
+from hf_gradaccum.integrations.trl import dpo_sorted as trl_dpo_sorted  # noqa: E402
+from hf_gradaccum.integrations.trl import loss_terms as trl_loss_terms  # noqa: E402
 from tests.trl_zoo_cases import CASES, COMMON, B, K, _load, _window, classes  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import BertForSequenceClassification, ResNetConfig, ResNetForImageClassification
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer
-from hf_gradaccum.adapters.accumulation_check import AccumulationNotExactError
+from hf_gradaccum.losses.accumulation_check import AccumulationNotExactError
 from tests.multiprocess import launch
 from tests.parity_cases import image_data, seq_cls_data, tiny_bert_config
 

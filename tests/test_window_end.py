@@ -1,4 +1,4 @@
-"""An in-place window that ends inside the Trainer's clipping (`adapters/window_end.py`): the division by the
+"""An in-place window that ends inside the Trainer's clipping (`trainer/window_end.py`): the division by the
 window's items, the non-finite check and the clipping share clipping's two passes over the gradients, so
 GradAccumTrainer runs the same gradient-wide kernels as the stock Trainer. Exactness against the hand-computed
 large batch, clipped (rtol 1e-5, fp32); the logged norm; a non-finite window still skipped; a subclass that touches
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, default_data_collator
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer, GradientAccumulator
-from hf_gradaccum.adapters.window_end import CLIPPING_METHODS
+from hf_gradaccum.trainer.window_end import CLIPPING_METHODS
 from tests.parity_cases import (
     CASES,
     LAYOUTS,

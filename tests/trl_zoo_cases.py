@@ -25,7 +25,7 @@ import datasets
 import torch
 
 from hf_gradaccum import GradAccumTrainer
-from hf_gradaccum.adapters.compositions import CompositionError
+from hf_gradaccum.integrations.registry import CompositionError
 from tests.composition_cases import WORDS, flat_trainable, tiny_llama, word_tokenizer
 
 RTOL = 1e-5

@@ -91,7 +91,7 @@ def check_two_processes(mode: str, device: torch.device, timeout: float = 240.0)
     if not torch.distributed.is_available() or not torch.distributed.is_backend_available(backend):
         return CheckResult(name, "skip", detail=f"torch.distributed backend {backend} is not available")
     if mode == "fsdp2":
-        from ..engine.fsdp2.buffers import fsdp2_supported
+        from ..engine.sharded.fsdp2_buffers import fsdp2_supported
 
         if not fsdp2_supported():
             return CheckResult(name, "skip", detail=f"FSDP2 accumulation needs torch>=2.8; found {torch.__version__}")

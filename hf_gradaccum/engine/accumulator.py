@@ -10,7 +10,7 @@ when the dtypes agree, so no copy) for clipping and `optimizer.step()`. Weightin
 dividing by `N` at its end is the same as weighting each loss by `n_k / N`, but it does not need to know `N` up front,
 so windows need not be prefetched (prefetching images holds a whole window in memory). Under `torch.distributed` the
 flat buffer is all-reduced once per window, together with one small vector of counts (`reduction.py`), instead of
-once per micro-batch. FSDP2 models keep sharded buffers (`fsdp2/`). fp16 overflows redo one micro-batch (`recompute.py`); the
+once per micro-batch. FSDP2 models keep sharded buffers (`sharded/`). fp16 overflows redo one micro-batch (`recompute.py`); the
 window's running totals live in `window.py`. Where the parameters are already in the accumulation dtype and nothing
 must be checked before a gradient is accumulated (no fp16 loss scaling, replicated, not offloaded), the hooks are
 not needed: the in-place path (`in_place.py`) weights each loss by its items and lets autograd accumulate `.grad`.
@@ -29,8 +29,6 @@ import torch
 from torch import nn
 
 from .buffers import resolve_accumulation_dtype
-from .fsdp2.buffers import gradient_buffers_for, is_dtensor, refuse_sharded_engines
-from .fsdp2.schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
 from .in_place import InPlaceGradients, check_accumulation_path, why_not_in_place
 from .items import count_items_in_batch
 from .loss_normalisation import NAMED_RULES, SUM, NormalisationFinding, batch_count
@@ -38,8 +36,11 @@ from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
-from .run_batch import run_batch_accumulation_steps
-from .tensor_parallel import data_parallel_reduction
+from .run_batch.layout import run_batch_accumulation_steps
+from .sharded.buffer_choice import gradient_buffers_for, refuse_sharded_engines
+from .sharded.fsdp2_buffers import is_dtensor
+from .sharded.fsdp2_schedule import check_fsdp_reduce_schedule, make_fsdp_reduce_schedule
+from .sharded.tensor_parallel import data_parallel_reduction
 from .validation import check_positive_int
 from .window import WindowResult, WindowState
 
@@ -83,7 +84,7 @@ class GradientAccumulator:
             FSDP2 models only: `"every_micro_batch"` reduce-scatters each micro-batch into the sharded fp32 buffer
             (gradient memory 1/world_size); `"once_per_window"` turns FSDP2's gradient sync off for all but the
             window's last micro-batch (one reduce-scatter per window, one unsharded gradient per rank in between).
-            See `engine/fsdp2/schedule.py` for what it refuses and why.
+            See `engine/sharded/fsdp2_schedule.py` for what it refuses and why.
         data_parallel_group (`torch.distributed.ProcessGroup`, *optional*):
             Under tensor parallelism, the process group of the ranks that see different batches (e.g.
             `device_mesh["dp"].get_group()`): the window's items and replicated gradients are summed over it alone.
@@ -111,7 +112,7 @@ class GradientAccumulator:
         loss_normalisation (`str`, *optional*, defaults to `"auto"`):
             What [`backward`]`(loss, batch=...)` weights a transformers model's micro-batch by. `"auto"`: measured on
             the first batch given, before anything is folded (a mean over label tokens, shifted label tokens, rows,
-            boxes or another count the batch carries, or a sum; `adapters/plain_loop_rule.py`), and a loss no
+            boxes or another count the batch carries, or a sum; `losses/plain_loop.py`), and a loss no
             weighting makes exact (BatchNorm, an in-batch or router loss, terms with their own counts) raises a
             `ModelLossError`. Or name it: `"label_tokens"`, `"shifted_label_tokens"`, `"rows"`, `"sum"`, `"boxes"`.
         batchnorm_statistics (`str`, *optional*, defaults to `"stop"`):
@@ -207,7 +208,7 @@ class GradientAccumulator:
         if not self.parameters:
             raise ValueError("`model` has no trainable parameters (none with `requires_grad=True`).")
 
-        # FSDP2 models get sharded buffers (`fsdp2/buffers.py`), others replicated ones (`buffers.py`). What differs between
+        # FSDP2 models get sharded buffers (`sharded/fsdp2_buffers.py`), others replicated ones (`buffers.py`). What differs between
         # the two (where the item weight is applied, how a micro-batch's flags are agreed, who reduces) is asked of
         # `self.buffers`, so the loop below has one code path for both.
         not_in_place = why_not_in_place(

@@ -6,7 +6,7 @@ at position `i`, so position 0 of each row is never a target and a mean over its
 row). Wrappers change the class name (`PeftModelForCausalLM`, `OptimizedModule`, `DistributedDataParallel`) and
 causal LMs such as `GPT2LMHeadModel` do not say "ForCausalLM" in theirs, so the class name alone misleads. The model
 is unwrapped first, then recognised by what it is: the loss function its forward calls, or a decoder-only model with
-an LM head that can generate. `hf_gradaccum.adapters.model_inspection` adds transformers' own registries on top.
+an LM head that can generate. `hf_gradaccum.losses.model_inspection` adds transformers' own registries on top.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .fsdp2.buffers import local_gradients
 from .loss_scaling import DynamicLossScaler
+from .sharded.fsdp2_buffers import local_gradients
 from .window import WindowState
 
 logger = logging.getLogger(__name__)

@@ -1,2 +1,5 @@
-"""Batch-size helpers that are not accumulation itself: BatchNorm treatments (`normalization`), learning-rate
-scaling (`lr_scaling`) and micro-batch planning (`planning`)."""
+"""Batch-size helpers that are not accumulation itself, usable without the Trainer: BatchNorm treatments
+(`normalization.py`), learning-rate scaling (`lr_scaling.py`) and micro-batch planning (`planning.py`).
+
+May import: `engine/`.
+"""

@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ..engine.run_batch import RunBatchLayout
+from ..engine.run_batch.layout import RunBatchLayout
 from ..engine.validation import check_positive_int
 from .lr_scaling import effective_batch_size as _effective_batch_size
 
@@ -185,7 +185,7 @@ def halved_run_batch(layout: RunBatchLayout) -> int:
     Example:
 
     ```python
-    >>> from hf_gradaccum.engine.run_batch import RunBatchLayout
+    >>> from hf_gradaccum.engine.run_batch.layout import RunBatchLayout
     >>> from hf_gradaccum.helpers.planning import halved_run_batch
     >>> halved_run_batch(RunBatchLayout(10, micro_batch_size=5, world_size=3))
     2

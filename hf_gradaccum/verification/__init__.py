@@ -1,6 +1,8 @@
-"""Proving that gradient accumulation is exact for a given model, loss and item counting.
+"""Proving that gradient accumulation is exact for a given model, loss and item counting: the split-invariance check
+(`split_invariance.py`), what it blames when a window disagrees (`diagnosis.py`), and its tools (`windows.py` cuts
+and joins micro-batches, `gradients.py`, `isolation.py`, `float64.py`).
 
-May import `engine` and `helpers` only (see tests/test_layout.py).
+May import: `engine/`.
 """
 
 from .diagnosis import Cause, Diagnosis

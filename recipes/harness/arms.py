@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ProgressCallback
 
-from hf_gradaccum.adapters.arguments import accelerator_available
+from hf_gradaccum.config.arguments import accelerator_available
 
 from .reporting import build_parity_report, format_summary, write_parity_report
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_gradaccum.adapters.accumulation_check import CHECK_FILE_NAME
+from hf_gradaccum.losses.accumulation_check import CHECK_FILE_NAME
 
 from .arms import ArmSpec, arm_dir
 

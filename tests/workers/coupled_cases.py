@@ -22,8 +22,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_gradaccum.engine.accumulator import GradientAccumulator  # noqa: E402
-from hf_gradaccum.engine.coupled import CoupledLoss, flatten_representations  # noqa: E402
 from hf_gradaccum.engine.rng import RNGState, capture_rng_state, restore_rng_state  # noqa: E402
+from hf_gradaccum.engine.window_losses.coupled import CoupledLoss, flatten_representations  # noqa: E402
 
 SIZES = (3, 5, 2)  # uneven micro-batches
 
@@ -208,7 +208,7 @@ def _generic(dropout: float, **kw: Any):
 
 @_case("clip")
 def _clip(dropout: float, **kw: Any):
-    from hf_gradaccum.adapters.coupled import clip_coupled_loss
+    from hf_gradaccum.losses.coupled import clip_coupled_loss
 
     model = tiny_clip(dropout)
     return model, clip_coupled_loss(model, **kw), clip_batches()
@@ -216,13 +216,13 @@ def _clip(dropout: float, **kw: Any):
 
 @_case("ranking")
 def _ranking(dropout: float, **kw: Any):
-    from hf_gradaccum.adapters.coupled import ranking_coupled_loss
+    from hf_gradaccum.losses.coupled import ranking_coupled_loss
 
     return tiny_bert(dropout), ranking_coupled_loss(scale=20.0, symmetric=True, **kw), ranking_batches()
 
 
 @_case("ranking_asymmetric")
 def _ranking_asym(dropout: float, **kw: Any):
-    from hf_gradaccum.adapters.coupled import ranking_coupled_loss
+    from hf_gradaccum.losses.coupled import ranking_coupled_loss
 
     return tiny_bert(dropout), ranking_coupled_loss(scale=20.0, symmetric=False, **kw), ranking_batches()

@@ -43,7 +43,7 @@ def build(case: str, rank: int):
         model = TwoTower(dropout=0.1)
         offset = sum(RANK_SIZES[0]) if rank else 0
         return model, generic_coupled(model, check_recompute=True), generic_batches(sizes, seed=rank, offset=offset)
-    from hf_gradaccum.adapters.coupled import clip_coupled_loss, ranking_coupled_loss
+    from hf_gradaccum.losses.coupled import clip_coupled_loss, ranking_coupled_loss
 
     if case == "clip":
         return tiny_clip(0.1), clip_coupled_loss(check_recompute=True), clip_batches(sizes, seed=rank)

@@ -273,7 +273,7 @@ def trainer_fsdp2(case_name: str, out_dir: str) -> None:
     from the sharded checkpoint of step 1 bitwise equal to the uninterrupted run. On CPU (gloo) Accelerate's device
     gate is flipped (`use_accelerate_fsdp_on_cpu`); on a GPU `accelerate launch --config_file
     configs/accelerate/fsdp2.yaml` sets FSDP2 up itself."""
-    from hf_gradaccum.engine.fsdp2.buffers import is_dtensor
+    from hf_gradaccum.engine.sharded.fsdp2_buffers import is_dtensor
 
     fresh_accelerate_state()
     on_gpu = torch.cuda.is_available()

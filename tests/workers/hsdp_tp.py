@@ -53,7 +53,7 @@ from transformers import (  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
 from hf_gradaccum import GradAccumArguments, GradAccumTrainer  # noqa: E402
-from hf_gradaccum.engine.fsdp2.buffers import fsdp2_modules  # noqa: E402
+from hf_gradaccum.engine.sharded.fsdp2_buffers import fsdp2_modules  # noqa: E402
 
 MICRO, STEPS, SEQ, VOCAB, LABELS = 2, 3, 10, 64, 3
 

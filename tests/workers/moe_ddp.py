@@ -17,8 +17,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_gradaccum import GradientAccumulator, count_items_in_batch  # noqa: E402
-from hf_gradaccum.adapters.moe import WindowRouterBalance  # noqa: E402
 from hf_gradaccum.engine.process_exit import leave_process_group_and_exit  # noqa: E402
+from hf_gradaccum.losses.moe import WindowRouterBalance  # noqa: E402
 from tests.composition_cases import flat_trainable, pad_cat, sgd_reference, tiny_mixtral, update_error  # noqa: E402
 from tests.test_moe_balance import PAD, _collate, _rows, large_batch_loss  # noqa: E402
 
