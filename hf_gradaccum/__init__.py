@@ -28,6 +28,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -99,75 +100,112 @@ __all__ = [
 ]
 
 
-# Modules that moved when the package was laid out in floors (docs/architecture.md): an old path still imports, as the
-# module at its new path, so that pickles keep loading (a checkpoint's `training_args.bin` names `GradAccumArguments`
-# by `hf_gradaccum.adapters.arguments`) and so does code written against the old layout, with a warning.
-_MOVED_MODULES: dict[str, str] = {
-    "adapters": "trainer",
-    "adapters.accumulation_check": "losses.accumulation_check",
-    "adapters.arguments": "config.arguments",
-    "adapters.atomic_checkpoints": "trainer.atomic_checkpoints",
-    "adapters.compat": "config.compat",
-    "adapters.composed_class": "losses.composed_class",
-    "adapters.composition_error": "losses.composition_error",
-    "adapters.compositions": "integrations.registry",
-    "adapters.coupled": "losses.coupled",
-    "adapters.deepspeed": "distributed.deepspeed",
-    "adapters.effective_batch": "trainer.effective_batch",
-    "adapters.loss_counting": "losses.counting",
-    "adapters.loss_handover": "trainer.loss_handover",
-    "adapters.loss_rule": "losses.rule",
-    "adapters.model_inspection": "losses.model_inspection",
-    "adapters.model_losses": "losses.model_losses",
-    "adapters.moe": "losses.moe",
-    "adapters.parallelism": "distributed.parallelism",
-    "adapters.plain_loop_rule": "losses.plain_loop",
-    "adapters.probe_gradients": "losses.probe_gradients",
-    "adapters.run_batch": "distributed.run_batch",
-    "adapters.sentence_transformers": "integrations.sentence_transformers.routing",
-    "adapters.sharding": "distributed.sharding",
-    "adapters.step_gating": "trainer.step_gating",
-    "adapters.trainer": "trainer.trainer",
-    "adapters.training_checks": "config.training_checks",
-    "adapters.trl_dpo_sorted": "integrations.trl.dpo_sorted",
-    "adapters.trl_generating": "integrations.trl.generating",
-    "adapters.trl_grpo": "integrations.trl.grpo",
-    "adapters.trl_grpo_entropy": "integrations.trl.grpo_entropy",
-    "adapters.trl_kto": "integrations.trl.kto",
-    "adapters.trl_loss_terms": "integrations.trl.loss_terms",
-    "adapters.window_end": "trainer.window_end",
-    "engine.coupled": "engine.window_losses.coupled",
-    "engine.fsdp2": "engine.sharded",
-    "engine.fsdp2.buffers": "engine.sharded.fsdp2_buffers",
-    "engine.fsdp2.checkpoint": "engine.sharded.fsdp2_checkpoint",
-    "engine.fsdp2.schedule": "engine.sharded.fsdp2_schedule",
-    "engine.grouped_coupled": "engine.window_losses.grouped_coupled",
-    "engine.moe_balance": "engine.window_losses.moe_balance",
-    "engine.run_batch_sampler": "engine.run_batch.sampler",
-    "engine.tensor_parallel": "engine.sharded.tensor_parallel",
+# Modules that moved when the package was laid out in floors (docs/architecture.md): an old path still imports, as a
+# module whose names are those of the modules it moved to, so that pickles keep loading (a checkpoint's
+# `training_args.bin` names `GradAccumArguments` by `hf_gradaccum.adapters.arguments`) and so does code written against
+# the old layout, with a warning. The new modules keep their own names, specs and loaders; old package paths have no
+# search path, so nothing under them is ever loaded twice.
+_MOVED_MODULES: dict[str, tuple[str, ...]] = {
+    "adapters": ("trainer",),
+    "adapters.accumulation_check": ("losses.accumulation_check",),
+    "adapters.arguments": ("config.arguments",),
+    "adapters.atomic_checkpoints": ("trainer.atomic_checkpoints",),
+    "adapters.compat": ("config.compat",),
+    "adapters.composed_class": ("losses.composed_class",),
+    "adapters.composition_error": ("losses.composition_error",),
+    "adapters.compositions": (
+        "integrations.registry",
+        "integrations.sentence_transformers.loss_classes",
+    ),
+    "adapters.coupled": ("losses.coupled",),
+    "adapters.deepspeed": ("distributed.deepspeed",),
+    "adapters.effective_batch": ("trainer.effective_batch",),
+    "adapters.loss_counting": ("losses.counting",),
+    "adapters.loss_handover": ("trainer.loss_handover",),
+    "adapters.loss_rule": ("losses.rule",),
+    "adapters.model_inspection": ("losses.model_inspection",),
+    "adapters.model_losses": ("losses.model_losses",),
+    "adapters.moe": ("losses.moe",),
+    "adapters.parallelism": ("distributed.parallelism",),
+    "adapters.plain_loop_rule": ("losses.plain_loop",),
+    "adapters.probe_gradients": ("losses.probe_gradients",),
+    "adapters.run_batch": (
+        "distributed.run_batch",
+        "config.run_batch_arguments",
+    ),
+    "adapters.sentence_transformers": (
+        "integrations.sentence_transformers.routing",
+        "integrations.sentence_transformers.embedding_losses",
+        "integrations.sentence_transformers.routes",
+        "integrations.sentence_transformers.forward_replay",
+        "integrations.sentence_transformers.loss_classes",
+    ),
+    "adapters.sharding": ("distributed.sharding",),
+    "adapters.step_gating": ("trainer.step_gating",),
+    "adapters.trainer": (
+        "trainer.trainer",
+        "trainer.accumulator_state",
+    ),
+    "adapters.training_checks": ("config.training_checks",),
+    "adapters.trl_dpo_sorted": ("integrations.trl.dpo_sorted",),
+    "adapters.trl_generating": ("integrations.trl.generating",),
+    "adapters.trl_grpo": ("integrations.trl.grpo",),
+    "adapters.trl_grpo_entropy": ("integrations.trl.grpo_entropy",),
+    "adapters.trl_kto": ("integrations.trl.kto",),
+    "adapters.trl_loss_terms": ("integrations.trl.loss_terms",),
+    "adapters.window_end": ("trainer.window_end",),
+    "engine.coupled": ("engine.window_losses.coupled",),
+    "engine.fsdp2": ("engine.sharded",),
+    "engine.fsdp2.buffers": (
+        "engine.sharded.fsdp2_buffers",
+        "engine.sharded.buffer_choice",
+    ),
+    "engine.fsdp2.checkpoint": ("engine.sharded.fsdp2_checkpoint",),
+    "engine.fsdp2.schedule": ("engine.sharded.fsdp2_schedule",),
+    "engine.grouped_coupled": ("engine.window_losses.grouped_coupled",),
+    "engine.moe_balance": ("engine.window_losses.moe_balance",),
+    "engine.run_batch_sampler": ("engine.run_batch.sampler",),
+    "engine.tensor_parallel": ("engine.sharded.tensor_parallel",),
 }
 
 
+class _MovedModule(types.ModuleType):
+    """An old module path: each name is looked up in the modules it moved to, in order."""
+
+    __moved_to__: tuple[str, ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Module attributes (`__file__`, `__path__`, ...) are this module's own, never the new modules'.
+        for new in () if name.startswith("__") else self.__moved_to__:
+            module = importlib.import_module(f"{__name__}.{new}")
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {self.__name__!r} (moved to {self.__moved_to__}) has no attribute {name!r}")
+
+
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds a moved module's old name and loads it as the module at its new name (one module object for both)."""
+    """Finds the old path of a moved module and loads a [`_MovedModule`] for it."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        moved = _MOVED_MODULES.get(fullname.removeprefix(__name__ + "."))
-        if not fullname.startswith(__name__ + ".") or moved is None:
+        if fullname.removeprefix(__name__ + ".") not in _MOVED_MODULES:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
-    def create_module(self, spec: Any) -> Any:
-        new = f"{__name__}.{_MOVED_MODULES[spec.name.removeprefix(__name__ + '.')]}"
-        warnings.warn(f"`{spec.name}` moved to `{new}`; import it from there.", FutureWarning, stacklevel=2)
-        return importlib.import_module(new)
+    def create_module(self, spec: Any) -> types.ModuleType:
+        moved_to = _MOVED_MODULES[spec.name.removeprefix(__name__ + ".")]
+        new = ", ".join(f"`{__name__}.{name}`" for name in moved_to)
+        warnings.warn(f"`{spec.name}` moved to {new}; import it from there.", FutureWarning, stacklevel=2)
+        module = _MovedModule(spec.name)
+        module.__moved_to__ = moved_to
+        module.__path__ = []  # a package for the submodules this finder maps, and for nothing else
+        return module
 
-    def exec_module(self, module: Any) -> None:
-        """The module at the new name has run already."""
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing runs: the names are read from the new modules when asked for."""
 
 
 if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    # First, so that an old package path (`hf_gradaccum.adapters`) never loads a second copy of a module under it.
+    # First, ahead of the path finder: an old path is never looked up on disk.
     sys.meta_path.insert(0, _MovedModuleFinder())
 
 

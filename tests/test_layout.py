@@ -249,3 +249,27 @@ def test_every_public_name_resolves():
     assert set(hf_gradaccum.__all__) == set(hf_gradaccum._EXPORTS)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         hf_gradaccum.nope  # noqa: B018
+
+
+def test_old_module_paths_import_the_moved_modules_names():
+    """Every path a module had before the package was laid out in floors still imports, with a warning, and gives
+    the names of the modules it moved to (so pickles naming the old path load); no module is loaded twice."""
+    code = """
+import importlib, sys, warnings
+import hf_gradaccum
+for old, moved_to in hf_gradaccum._MOVED_MODULES.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"hf_gradaccum.{old}")
+    assert any("moved to" in str(w.message) for w in caught), old
+    news = [importlib.import_module(f"hf_gradaccum.{name}") for name in moved_to]
+    for name in {name for new in news for name in vars(new) if not name.startswith("_")}:
+        expected = next(getattr(new, name) for new in news if hasattr(new, name))
+        assert getattr(module, name) is expected, (old, name)
+files = [getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n.startswith("hf_gradaccum")]
+files = [f for f in files if f]
+assert len(files) == len(set(files)), sorted(f for f in files if files.count(f) > 1)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

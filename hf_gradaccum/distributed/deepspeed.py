@@ -101,7 +101,7 @@ def check_deepspeed(trainer: Any) -> None:
             "the out-of-memory retry redoes a window from its first micro-batch, but DeepSpeed has already summed "
             "the interrupted micro-batches into its own gradient partitions, which cannot be taken back",
             "set `auto_find_batch_size=False` and choose `per_device_train_batch_size` "
-            "(hf_gradaccum.plan_micro_batches helps), or offload with DeepSpeed's `offload_optimizer`/`offload_param`",
+            "(hf_gradaccum.plan_accumulation helps), or offload with DeepSpeed's `offload_optimizer`/`offload_param`",
         ),
         (
             gradaccum_option(args, "offload_accumulation_buffer"),

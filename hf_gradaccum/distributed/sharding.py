@@ -96,7 +96,7 @@ def _refuse_what_sharding_cannot_run(trainer: Any) -> None:
             "`auto_find_batch_size=True` is not supported under FSDP2 (or tensor parallelism) with more than one "
             "process: the out-of-memory retry redoes a window on the rank that ran out of memory alone, but every "
             "sharded forward and backward is a collective, so the ranks would fall out of step. Set "
-            "`auto_find_batch_size=False` and choose `per_device_train_batch_size` (hf_gradaccum.plan_micro_batches "
+            "`auto_find_batch_size=False` and choose `per_device_train_batch_size` (hf_gradaccum.plan_accumulation "
             "helps), or use DDP."
         )
 

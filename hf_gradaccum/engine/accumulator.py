@@ -183,7 +183,7 @@ class GradientAccumulator:
             raise ValueError(f"`batchnorm_statistics` must be 'stop' or 'micro_batch', got {batchnorm_statistics!r}.")
         self.loss_normalisation = loss_normalisation
         self.batchnorm_statistics = batchnorm_statistics
-        # What `backward(loss, batch=...)` weights by, settled on the first batch given (`plain_loop_rule.py`).
+        # What `backward(loss, batch=...)` weights by, settled on the first batch given (`losses/plain_loop.py`).
         self.normalisation: NormalisationFinding | None = None
         if not isinstance(offload_accumulation_buffer, bool):
             raise ValueError(
@@ -558,7 +558,7 @@ class GradientAccumulator:
     def _settle_normalisation(self, batch: Mapping[str, Any], shift: bool | None) -> NormalisationFinding:
         """What `backward(loss, batch=...)` weights by, from the first batch given. The engine alone counts as the
         model's loss is recognised to (label tokens, shifted for a causal LM; rows without labels); the package's
-        `hf_gradaccum.GradientAccumulator` measures it instead (`adapters/plain_loop.py`)."""
+        `hf_gradaccum.GradientAccumulator` measures it instead (`losses/plain_loop.py`)."""
         if self.loss_normalisation != "auto":
             return NormalisationFinding(rule=self.loss_normalisation, decided_by="declared", note="named")
         return NormalisationFinding(rule=self.prior_rule(batch, shift), decided_by="prior", note="not measured")

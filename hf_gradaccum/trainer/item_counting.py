@@ -38,7 +38,7 @@ def labels_on_device(trainer: Any, inputs: dict[str, Any]) -> int | torch.Tensor
         )
     # Only token-level labels (one per position) can be shifted; a causal-LM check is pointless for the others.
     token_level = labels is not None and (labels if torch.is_tensor(labels) else torch.as_tensor(labels)).dim() > 1
-    shift = shifts_labels(trainer) if token_level else False
+    shift = trainer._shifts_labels() if token_level else False
     return items_on_device(inputs, shift_labels=shift, label_name=label_name)
 
 

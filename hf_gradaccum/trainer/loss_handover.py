@@ -24,25 +24,20 @@ from .step_gating import WindowGradScaler
 @contextlib.contextmanager
 def backward_through(accelerator: Any, hand_over: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """
-        Within the context, `accelerator.backward(loss, **kwargs)` back-propagates `hand_over(loss)` instead of `loss`.
+    Within the context, `accelerator.backward(loss, **kwargs)` back-propagates `hand_over(loss)` instead of `loss`.
 
-        Example:
+    Example:
 
-        ```python
-        >>> import torch
-
-    from ..config.arguments import gradaccum_option
-    from ..distributed.sharding import trainer_shards_gradients
-    from ..engine.accumulator import GradientAccumulator
-    from .step_gating import WindowGradScaler
-        >>> from accelerate import Accelerator
-        >>> from hf_gradaccum.trainer.loss_handover import backward_through
-        >>> accelerator, w = Accelerator(cpu=True), torch.ones(1, requires_grad=True)
-        >>> with backward_through(accelerator, lambda loss: loss * 3):
-        ...     accelerator.backward((w * 2).sum())
-        >>> w.grad
-        tensor([6.])
-        ```
+    ```python
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from hf_gradaccum.trainer.loss_handover import backward_through
+    >>> accelerator, w = Accelerator(cpu=True), torch.ones(1, requires_grad=True)
+    >>> with backward_through(accelerator, lambda loss: loss * 3):
+    ...     accelerator.backward((w * 2).sum())
+    >>> w.grad
+    tensor([6.])
+    ```
     """
     original = accelerator.backward
 
