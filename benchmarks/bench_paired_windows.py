@@ -248,6 +248,8 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
     baton = Baton(*(TRAINERS if opts.first == "stock" else TRAINERS[::-1]))
     times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in TRAINERS}
     errors: dict[str, BaseException] = {}
+    # What ours' loss measurement found and cost: the first window's measurement, the later windows' re-weighing.
+    checks: dict[str, dict[str, Any]] = {}
 
     def train(name: str) -> None:
         torch.set_num_threads(1)
@@ -267,6 +269,16 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
                 callbacks=[_window_clock(name, baton, times[name], opts.device == "cuda")],
             )
             trainer.train()
+            if name == "gradaccum":
+                rule = trainer._loss_rule
+                finding = rule.finding
+                checks[name] = {
+                    "rule": None if finding is None else finding.rule,
+                    "decided_by": None if finding is None else finding.decided_by,
+                    "first_window_s": None if finding is None else finding.seconds,
+                    "windows_rechecked": rule.recheck.windows_checked if rule.recheck else 0,
+                    "recheck_s": rule.recheck_seconds,
+                }
         except BaseException as error:  # noqa: BLE001 - reported by the main thread
             errors[name] = error
         finally:
@@ -291,6 +303,7 @@ def run_shape(model_name: str, opts: argparse.Namespace) -> dict[str, Any]:
         "pair": opts.pair,
         "metric": "wall" if opts.device == "cuda" else "cpu",
         "windows": {name: times[name] for name in TRAINERS},
+        "loss_check": checks.get("gradaccum"),
     }
 
 
@@ -298,6 +311,17 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     q = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
     return {"min": ordered[0], "q1": q[0], "median": q[1], "q3": q[2], "max": ordered[-1]}
+
+
+def _check_cost(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Ours' loss measurement against ours' training time: the first window's, and the later windows' re-weighing as a
+    fraction of the later windows' time (all windows, warm-up included: the check runs in every one)."""
+    check = result.get("loss_check")
+    if not check:
+        return None
+    column = 1 if result.get("metric") == "wall" else 0
+    later = sum(times[column] for times in result["windows"]["gradaccum"][1:])
+    return {**check, "recheck_fraction": check["recheck_s"] / later if later > 0 else None}
 
 
 def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -325,6 +349,7 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
         "stock_median_s": statistics.median(stock),
         "ours_median_s": statistics.median(ours),
         "stock_page_faults": statistics.median(w[2] for w in result["windows"]["stock"][warmup:]),
+        "loss_check": _check_cost(result),
         "ours_page_faults": statistics.median(w[2] for w in result["windows"]["gradaccum"][warmup:]),
         "speed_ratio": _quantiles(ratios),
         "ours_faster": sum(r > 1.0 for r in ratios),
@@ -368,6 +393,24 @@ def markdown(rows: list[dict[str, Any]], command: str, meta: dict[str, Any]) -> 
             f"({q['q1']:.3f}-{q['q3']:.3f}; {q['min']:.3f}-{q['max']:.3f}) | {row['ours_faster']} of {row['windows']} | "
             f"{row['stock_page_faults']:,.0f} / {row['ours_page_faults']:,.0f} |"
         )
+    checks = [row for row in rows if row.get("loss_check")]
+    if checks:
+        lines += [
+            "",
+            "Ours' loss measurement (docs/model_losses.md): the first window's, and the later windows' re-weighing of "
+            "rules that tied on the first window, as a fraction of ours' later windows.",
+            "",
+            "| shape | rule (decided by) | first window s | windows re-weighed | re-weighing s | fraction |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for row in checks:
+            c = row["loss_check"]
+            fraction = "n/a" if c["recheck_fraction"] is None else f"{100 * c['recheck_fraction']:.3f}%"
+            first = "n/a" if c["first_window_s"] is None else f"{c['first_window_s']:.3f}"
+            lines.append(
+                f"| {row['model']} | {c['rule']} ({c['decided_by']}) | {first} | {c['windows_rechecked']} | "
+                f"{c['recheck_s']:.4f} | {fraction} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,12 @@ Every family runs in its own process with a time limit, so one crash or hang nev
 as JSON and the table as Markdown; a progress line per family.
 
     python benchmarks/model_zoo.py --json benchmarks/results/model_zoo_before.json --out docs/model_zoo.md
+
+`--counts between` switches the data: every count a loss could divide by (label / attended / masked tokens, target
+lengths, boxes, masked frames) the same for every row of a micro-batch and different between micro-batches
+(`tests/model_zoo_cases.py`, `COUNTS`); the default is the zoo's original rows.
+
+    python benchmarks/model_zoo.py --counts between --json benchmarks/results/model_zoo_between_before.json
 """
 
 from __future__ import annotations
@@ -28,18 +34,30 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.model_zoo_cases import MICRO, ROWS, RTOL, STEPS, TASKS, Family, families, find_family  # noqa: E402
+from tests.model_zoo_cases import (  # noqa: E402
+    BETWEEN_ATTENDED,
+    BETWEEN_ITEMS,
+    COUNTS,
+    MICRO,
+    ROWS,
+    RTOL,
+    STEPS,
+    TASKS,
+    Family,
+    families,
+    find_family,
+)
 
 VERDICTS = ("exact", "refused", "silent", "crashed")
 
 
-def run_in_process(family_id: str, timeout: float) -> dict[str, Any]:
-    """Run one family in a fresh Python process (one CPU thread) with `timeout` seconds; the row it wrote, or a row
-    saying why there is none (a timeout, a crash of the process)."""
+def run_in_process(family_id: str, timeout: float, counts: str = "default") -> dict[str, Any]:
+    """Run one family in a fresh Python process (one CPU thread) with `timeout` seconds, on the rows of the `counts`
+    variant; the row it wrote, or a row saying why there is none (a timeout, a crash of the process)."""
     family = find_family(family_id)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
-        cmd = [sys.executable, __file__, "--worker", family_id, "--result", str(result)]
+        cmd = [sys.executable, __file__, "--worker", family_id, "--result", str(result), "--counts", counts]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         start = time.time()
         try:
@@ -60,7 +78,7 @@ def _row(family: Family, **fields: Any) -> dict[str, Any]:
             "class_name": family.class_name, "variant": family.variant, **fields}  # fmt: skip
 
 
-def worker(family_id: str, result: str) -> None:
+def worker(family_id: str, result: str, counts: str = "default") -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -70,7 +88,7 @@ def worker(family_id: str, result: str) -> None:
     with open(os.devnull, "w") as devnull:
         stdout, sys.stdout = sys.stdout, devnull
         try:
-            row = run_family(find_family(family_id))
+            row = run_family(find_family(family_id), counts)
         finally:
             sys.stdout = stdout
     Path(result).write_text(json.dumps(row, default=str))
@@ -134,6 +152,14 @@ no clipping, no weight decay, sequential order, every dropout-like probability 0
 """
 
 
+BETWEEN_NOTE = f"""Data: `--counts between`. Micro-batch m (rows {MICRO}m to {MICRO}m+{MICRO - 1}, sequential order) has, in every row,
+{" / ".join(map(str, BETWEEN_ATTENDED))} attended tokens (token tasks) and {" / ".join(map(str, BETWEEN_ITEMS))} label tokens (causal LM, MoE, token
+classification: the last ones of the row), masked tokens (masked LM, pre-training), target tokens (seq2seq, CTC),
+boxes (detection) or masked frames (wav2vec2 pre-training); segmentation ignores the top {{1, 2, 3}}/8 of every image.
+Sequence / image / audio classification, contrastive and ViT-MAE rows are the default ones (no per-row count).
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=None, help="only family ids (task/model_type[:variant]) matching this")
@@ -144,18 +170,21 @@ def main() -> int:
     parser.add_argument("--title", default="Before", help="the table's section title in --out")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once, each in its own process")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per family")
+    parser.add_argument("--counts", choices=COUNTS, default="default",
+                        help="the data: 'between' makes every count a loss could divide by the same for every row of "
+                        "a micro-batch and different between micro-batches")  # fmt: skip
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.result)
+        worker(args.worker, args.result, args.counts)
         return 0
     tasks = tuple(t for t in args.tasks.split(",") if t)
     selected = [f for f in families(tasks, everything=args.all) if not args.families or re.search(args.families, f.id)]
     start = time.time()
 
     def one(family: Family) -> dict[str, Any]:
-        row = run_in_process(family.id, args.timeout)
+        row = run_in_process(family.id, args.timeout, args.counts)
         ours = _cell(row["ours"]) if row.get("status") == "run" else row.get("status")
         stock = _cell(row["stock"]) if row.get("status") == "run" else row.get("reason", "")
         print(f"[{time.time() - start:6.0f} s] {family.id}: ours {ours} | stock {stock} ({row.get('seconds', 0):.1f} s)",
@@ -169,6 +198,8 @@ def main() -> int:
     text = (
         table(rows) + f"\n{len(rows)} families in {elapsed:.0f} s with --jobs {args.jobs}. Made by\n\n    {command}\n"
     )
+    if args.counts == "between":
+        text = BETWEEN_NOTE + "\n" + text
     if args.json:
         Path(args.json).write_text(json.dumps({"elapsed_s": elapsed, "command": command, "rows": rows}, indent=1))
     if args.out:

@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "ranking_coupled_loss": ".losses.coupled",
     # exact window-level MoE load balancing, docs/moe_balance.md
     "WindowRouterBalance": ".losses.moe",
+    # a user's loss of several terms, each a mean over its own count, docs/model_losses.md
+    "mean_terms": ".losses.declared_terms",
     # exactness check
     "verify_split_invariance": ".verification",
     "SplitInvarianceResult": ".verification",
@@ -93,6 +95,7 @@ __all__ = [
     "count_items_in_batch",
     "count_items_in_batches",
     "freeze_batchnorm",
+    "mean_terms",
     "plan_accumulation",
     "ranking_coupled_loss",
     "scale_learning_rate",

@@ -14,6 +14,16 @@ refusal after the weights moved).
 Every dropout-like probability of the config is set to 0, so that the one batch and the micro-batches see the same
 function; BatchNorm is kept as it is (its batch statistics are a real coupling of the rows).
 
+The window's rows come in two variants (`counts`): `"default"`, where the counts a loss can divide by (label tokens,
+attended tokens, masked tokens, target lengths, boxes) differ from row to row; and `"between"`, where every such count
+is the same for every row of a micro-batch and differs between micro-batches (micro-batch `m` is rows
+`m * MICRO ... (m + 1) * MICRO - 1` in the sequential order: `BETWEEN_ATTENDED[m]` attended tokens and
+`BETWEEN_ITEMS[m]` label tokens / masked tokens / target tokens / boxes / masked frames per row). Within a micro-batch
+every normalisation rule then weighs the rows alike; only the micro-batches tell them apart. `"between"` changes the
+token, seq2seq, CTC, detection, segmentation, MoE and pre-training rows; sequence / image / audio classification and
+the contrastive families have no per-row count to vary and keep their default rows (so does ViT-MAE: its mask ratio
+is one config value for every row).
+
 `benchmarks/model_zoo.py` runs every family in its own process and writes the table; `tests/test_model_zoo.py`
 asserts the classification on real runs.
 """
@@ -45,6 +55,12 @@ IMAGE_SIZE = 32
 AUDIO_SAMPLES = 4000
 NUM_LABELS = 3
 LEARNING_RATE = 0.1
+# The `counts` variants of the window's rows (module docstring); "default" is the zoo's original data.
+COUNTS = ("default", "between")
+# counts="between": per micro-batch (in order), the attended tokens of every row, and the label tokens, masked tokens,
+# target tokens, detection boxes or masked frames of every row.
+BETWEEN_ATTENDED = (5, 8, 11)
+BETWEEN_ITEMS = (2, 3, 4)
 # Special token ids kept below the first ordinary token, so that no ordinary token is read as padding or EOS.
 PAD_ID, BOS_ID, EOS_ID, MASK_ID, FIRST_TOKEN = 0, 1, 2, 3, 5
 
@@ -402,14 +418,32 @@ def _lengths(g: torch.Generator, n: int, lo: int, hi: int) -> list[int]:
     return [int(torch.randint(lo, hi + 1, (1,), generator=g)) for _ in range(n)]
 
 
-def _token_rows(config: Any, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids with their attention mask; rows of 4 to `SEQ_LEN` tokens."""
+def _per_micro_batch(values: tuple[int, ...]) -> list[int]:
+    """One value per row: `values[m]` for every row of micro-batch `m` (consecutive groups of `MICRO` rows, the
+    sequential order of the runs).
+
+    Example:
+
+    ```python
+    >>> from tests.model_zoo_cases import _per_micro_batch
+    >>> _per_micro_batch((2, 3, 4))
+    [2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4]
+    ```
+    """
+    assert len(values) == STEPS and ROWS == MICRO * STEPS
+    return [values[r // MICRO] for r in range(ROWS)]
+
+
+def _token_rows(config: Any, g: torch.Generator, counts: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids with their attention mask; rows of 4 to `SEQ_LEN` tokens (`counts="between"`: the
+    `BETWEEN_ATTENDED` lengths, one per micro-batch)."""
     vocab = int(getattr(config, "vocab_size", VOCAB))
     pad = getattr(config, "pad_token_id", None)
     pad = PAD_ID if pad is None else int(pad)
     ids = torch.randint(FIRST_TOKEN, vocab, (ROWS, SEQ_LEN), generator=g)
     mask = torch.zeros(ROWS, SEQ_LEN, dtype=torch.long)
-    for r, n in enumerate(_lengths(g, ROWS, 4, SEQ_LEN)):
+    lengths = _per_micro_batch(BETWEEN_ATTENDED) if counts == "between" else _lengths(g, ROWS, 4, SEQ_LEN)
+    for r, n in enumerate(lengths):
         mask[r, :n] = 1
     eos = getattr(config, "eos_token_id", None)
     for r, n in enumerate(mask.sum(1).tolist()):
@@ -425,6 +459,15 @@ def _hide_some(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     for r in range(0, ROWS, 3):
         labels[r, : int(torch.randint(1, 4, (1,), generator=g))] = -100
     return labels
+
+
+def _last_tokens(labels: torch.Tensor, mask: torch.Tensor, items: list[int]) -> torch.Tensor:
+    """`labels` kept on the last `items[r]` attended tokens of each row `r` (a completion after its prompt), -100
+    elsewhere: every row has exactly `items[r]` label tokens, none at position 0 (shifted, still `items[r]`)."""
+    out = torch.full_like(labels, -100)
+    for r, (n, k) in enumerate(zip(mask.sum(1).tolist(), items, strict=True)):
+        out[r, n - k : n] = labels[r, n - k : n]
+    return out
 
 
 def _text_config(config: Any) -> Any:
@@ -445,9 +488,15 @@ def _pixels(config: Any, g: torch.Generator) -> torch.Tensor:
     return torch.randn(ROWS, channels, *_image_size(config), generator=g)
 
 
-def window_rows(family: Family, config: Any, model: torch.nn.Module, seed: int = 1) -> list[dict[str, Any]]:
+def window_rows(
+    family: Family, config: Any, model: torch.nn.Module, seed: int = 1, counts: str = "default"
+) -> list[dict[str, Any]]:
     """`ROWS` training rows with realistic inputs for the family's task (see the module docstring of the
-    benchmark for each task's inputs)."""
+    benchmark for each task's inputs); `counts` one of `COUNTS` (the module docstring)."""
+    if counts not in COUNTS:
+        raise ValueError(f"counts={counts!r}: one of {COUNTS}")
+    between = counts == "between"
+    items = _per_micro_batch(BETWEEN_ITEMS)
     g = torch.Generator().manual_seed(seed)
     task, forward = family.task, inspect.signature(model.forward).parameters
     batch: dict[str, Any] = {}
@@ -456,14 +505,20 @@ def window_rows(family: Family, config: Any, model: torch.nn.Module, seed: int =
     if task == "pretraining":
         task = _pretraining_kind(family, forward)
     if task in ("causal-lm", "moe", "masked-lm", "seq-cls", "token-cls", "seq2seq", "mlm+head", "discriminator"):
-        ids, mask = _token_rows(_text_config(config), g)
+        # Sequence classification has no per-row count to vary: its default rows in either variant.
+        ids, mask = _token_rows(_text_config(config), g, counts if task != "seq-cls" else "default")
         batch = {"input_ids": ids, "attention_mask": mask}
         if task in ("causal-lm", "moe"):
             labels = ids.masked_fill(mask == 0, -100)
-            batch["labels"] = _hide_some(labels, g)
+            batch["labels"] = _last_tokens(labels, mask, items) if between else _hide_some(labels, g)
         elif task in ("masked-lm", "mlm+head"):
-            chosen = (torch.rand(ROWS, SEQ_LEN, generator=g) < 0.3) & (mask == 1)
-            chosen[:, 0] |= True
+            if between:  # exactly items[r] masked tokens per row, among its attended tokens
+                chosen = torch.zeros(ROWS, SEQ_LEN, dtype=torch.bool)
+                for r, (n, k) in enumerate(zip(mask.sum(1).tolist(), items, strict=True)):
+                    chosen[r, torch.randperm(n, generator=g)[:k]] = True
+            else:
+                chosen = (torch.rand(ROWS, SEQ_LEN, generator=g) < 0.3) & (mask == 1)
+                chosen[:, 0] |= True
             batch["labels"] = ids.masked_fill(~chosen, -100)
             batch["input_ids"] = ids.masked_fill(chosen, MASK_ID)
             if "next_sentence_label" in forward:
@@ -476,10 +531,10 @@ def window_rows(family: Family, config: Any, model: torch.nn.Module, seed: int =
             batch["labels"] = torch.randint(0, NUM_LABELS, (ROWS,), generator=g)
         elif task == "token-cls":
             labels = torch.randint(0, NUM_LABELS, (ROWS, SEQ_LEN), generator=g).masked_fill(mask == 0, -100)
-            batch["labels"] = _hide_some(labels, g)
+            batch["labels"] = _last_tokens(labels, mask, items) if between else _hide_some(labels, g)
         else:
             labels = torch.randint(FIRST_TOKEN, int(_text_config(config).vocab_size), (ROWS, SEQ_LEN), generator=g)
-            for r, n in enumerate(_lengths(g, ROWS, 2, SEQ_LEN)):
+            for r, n in enumerate(items if between else _lengths(g, ROWS, 2, SEQ_LEN)):
                 labels[r, n:] = -100
             batch["labels"] = labels
     elif task in ("image-cls", "mae"):
@@ -493,7 +548,11 @@ def window_rows(family: Family, config: Any, model: torch.nn.Module, seed: int =
     elif task == "segmentation":
         h, w = _image_size(config)
         labels = torch.randint(0, NUM_LABELS, (ROWS, h, w), generator=g)
-        labels[:, : h // 4, : w // 4] = 255  # an ignored corner, as annotation tools leave
+        if between:  # an ignored band of (m + 1) / 8 of the image's height in micro-batch m
+            for r in range(ROWS):
+                labels[r, : (r // MICRO + 1) * h // 8] = 255
+        else:
+            labels[:, : h // 4, : w // 4] = 255  # an ignored corner, as annotation tools leave
         batch = {"pixel_values": _pixels(config, g), "labels": labels}
     elif task in ("audio-cls", "ctc", "wav2vec2-pretraining"):
         batch = _audio_inputs(family, config, forward, g)
@@ -501,14 +560,14 @@ def window_rows(family: Family, config: Any, model: torch.nn.Module, seed: int =
             batch["labels"] = torch.randint(0, NUM_LABELS, (ROWS,), generator=g)
         elif task == "ctc":
             labels = torch.randint(1, int(config.vocab_size), (ROWS, 5), generator=g)
-            for r, n in enumerate(_lengths(g, ROWS, 1, 5)):
+            for r, n in enumerate(items if between else _lengths(g, ROWS, 1, 5)):
                 labels[r, n:] = -100
             batch["labels"] = labels
         else:
-            batch.update(_wav2vec2_pretraining_inputs(model, batch["input_values"], g))
+            batch.update(_wav2vec2_pretraining_inputs(model, batch["input_values"], g, items if between else None))
     elif task == "detection":
         batch = {"pixel_values": _pixels(config, g), "labels": []}
-        for n in _lengths(g, ROWS, 1, 4):
+        for n in items if between else _lengths(g, ROWS, 1, 4):
             centres = 0.25 + 0.5 * torch.rand(n, 2, generator=g)
             sizes = 0.1 + 0.3 * torch.rand(n, 2, generator=g)
             boxes = torch.cat([centres, sizes], dim=1)
@@ -556,9 +615,11 @@ def _audio_inputs(family: Family, config: Any, forward: Any, g: torch.Generator)
     return {"input_values": torch.randn(ROWS, AUDIO_SAMPLES, generator=g)}
 
 
-def _wav2vec2_pretraining_inputs(model: Any, input_values: torch.Tensor, g: torch.Generator) -> dict[str, Any]:
+def _wav2vec2_pretraining_inputs(
+    model: Any, input_values: torch.Tensor, g: torch.Generator, masked_per_row: list[int] | None = None
+) -> dict[str, Any]:
     """Masked time steps and sampled negatives as inputs (what the pre-training example's collator makes), drawn
-    once, so that every run sees the same."""
+    once, so that every run sees the same; with `masked_per_row`, exactly that many masked frames in each row."""
     from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices, _sample_negative_indices
 
     frames = int(model._get_feat_extract_output_lengths(torch.tensor(input_values.shape[1])))
@@ -566,7 +627,12 @@ def _wav2vec2_pretraining_inputs(model: Any, input_values: torch.Tensor, g: torc
     import numpy as np
 
     np.random.seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-    masked = _compute_mask_indices((ROWS, frames), mask_prob=0.5, mask_length=2, min_masks=1)
+    if masked_per_row is None:
+        masked = _compute_mask_indices((ROWS, frames), mask_prob=0.5, mask_length=2, min_masks=1)
+    else:
+        masked = np.zeros((ROWS, frames), dtype=bool)
+        for r, k in enumerate(masked_per_row):
+            masked[r, np.random.choice(frames, size=k, replace=False)] = True
     negatives = _sample_negative_indices((ROWS, frames), 4, mask_time_indices=masked)
     torch.random.set_rng_state(state)
     # The sampler returns indices into the flattened batch; per row they are made relative to the row, and
@@ -727,27 +793,29 @@ def normalisation(family: Family, model: torch.nn.Module) -> str:
     return words
 
 
-def run_family(family: Family) -> dict[str, Any]:
+def run_family(family: Family, counts: str = "default") -> dict[str, Any]:
     """The zoo row of one family: its three runs and their classification (a row saying why where it cannot be built
-    or its reference does not train)."""
+    or its reference does not train), on the window's rows of the `counts` variant (`COUNTS`)."""
     # Tiny random models warn about their own sizes; the row is the output. Restored for the caller (a test session).
     disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _run_family(family)
+            return _run_family(family, counts)
     finally:
         logging.disable(disabled)
 
 
-def _run_family(family: Family) -> dict[str, Any]:
+def _run_family(family: Family, counts: str = "default") -> dict[str, Any]:
     start = time.time()
     row: dict[str, Any] = {"id": family.id, **asdict(family)}
     row.pop("settings")
+    if counts != "default":
+        row["counts"] = counts
     try:
         model = tiny_model(family)
-        rows = window_rows(family, model.config, model)
+        rows = window_rows(family, model.config, model, counts=counts)
         row["normalisation"] = normalisation(family, model)
         row["parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     except Exception as e:

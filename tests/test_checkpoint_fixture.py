@@ -51,7 +51,9 @@ def test_the_old_checkpoint_resumes_where_the_uninterrupted_run_ends(tmp_path):
     # The fixture resumed for the last 2 steps.
     out = tmp_path / "resumed"
     shutil.copytree(FIXTURE, out / "checkpoint-2")
-    resumed = GradAccumTrainer(model=tiny_model("causal-lm", seed=5), args=arguments(str(out), 4), train_dataset=dataset())
+    resumed = GradAccumTrainer(
+        model=tiny_model("causal-lm", seed=5), args=arguments(str(out), 4), train_dataset=dataset()
+    )
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert resumed.state.global_step == 4
     assert resumed.accumulator.metrics()["accumulator/applied_steps"] == 4  # 2 restored from the fixture, 2 run now

@@ -51,11 +51,13 @@ def _args(tmp_path, dropout_seed: int = 0, use_cpu: bool = True) -> GradAccumArg
 
 
 class PlainInBatchTrainer(GradAccumTrainer):
-    """Plain accumulation of an in-batch loss: each micro-batch's own loss, item (row) weighted."""
+    """Plain accumulation of an in-batch loss: each micro-batch's own loss, item (row) weighted, the declared count
+    unchecked (its check would stop it: see the test below), so that the coupled mode has something to beat."""
 
     def __init__(self, *args, coupled_loss, **kwargs):
         super().__init__(*args, **kwargs)
         self.coupled_loss = coupled_loss
+        self.args.check_declared_normalisation = False
 
     def count_micro_batch_items(self, inputs):
         return self.coupled_loss.num_items_fn(inputs)
@@ -164,3 +166,19 @@ def test_coupled_loss_behind_another_trainer_is_refused(tmp_path):
         OwnLossFirst(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=coupled)
     trainer = GradAccumFirst(model=model, args=_args(tmp_path), train_dataset=_rows("generic"), coupled_loss=coupled)
     assert trainer.coupled_mode is not None and trainer.coupled_mode.coupled_loss is coupled
+
+
+def test_plain_accumulation_of_an_in_batch_loss_stops_where_its_count_is_checked(tmp_path):
+    from hf_gradaccum.losses.model_losses import ModelLossError
+
+    class Checked(PlainInBatchTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.args.check_declared_normalisation = True
+
+    torch.manual_seed(0)
+    model, coupled, _ = CASES["generic"](0.1, check_recompute=True)
+    rows = _rows("generic")
+    trainer = Checked(model=model, args=_args(tmp_path), train_dataset=rows, coupled_loss=coupled)
+    with pytest.raises(ModelLossError, match="count_micro_batch_items` is contradicted by the first window"):
+        trainer.train()

@@ -127,9 +127,15 @@ def test_fp16_recompute_redoes_only_the_overflowing_micro_batch(tmp_path):
     torch.manual_seed(0)
     model = CASE_BY_NAME["bert_regression"].make_model()
     data = _regression_window(overflow=True)
-    # The rule named (a regression head: a mean over rows), so that every forward counted here is training's.
+    # The rule named (a regression head: a mean over rows) and left unchecked, so that every forward counted here is
+    # training's.
     trainer = _fp16_trainer(
-        tmp_path / "recompute", model, data, overflow_policy="recompute", loss_normalisation="rows"
+        tmp_path / "recompute",
+        model,
+        data,
+        overflow_policy="recompute",
+        loss_normalisation="rows",
+        check_declared_normalisation=False,
     )
     calls = []
     original = trainer.compute_loss

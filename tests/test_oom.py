@@ -115,9 +115,34 @@ def test_oom_at_one_sample_gives_a_clear_error(tmp_path):
     model = MemoryLimitedBert(tiny_bert_config(num_labels=3))
     model.max_rows = 0
     data = seq_cls_data(16, torch.Generator().manual_seed(1))
-    trainer = GradAccumTrainer(model=model, args=_args(tmp_path, 4, 2, auto_find_batch_size=True), train_dataset=data)
+    # The rule named and left unchecked: the first window's measurement would run out of memory first (below).
+    args = _args(tmp_path, 4, 2, auto_find_batch_size=True, loss_normalisation="rows",
+                 check_declared_normalisation=False)  # fmt: skip
+    trainer = GradAccumTrainer(model=model, args=args, train_dataset=data)
     with pytest.raises(RuntimeError, match="below 1 sample"):
         trainer.train()
+
+
+def test_the_measurement_halves_its_cuts_out_of_memory_and_stops_if_nothing_fits(tmp_path):
+    """The first window's measurement retries cuts of half as many rows after an out-of-memory error (a micro-batch
+    of 16 where only 8 rows fit: measured, trained). Where even two rows do not fit, nothing is measured, and the rules
+    in play weigh the window differently: it stops before the first step, saying so."""
+    from hf_gradaccum.losses.model_losses import ModelLossError
+
+    torch.manual_seed(0)
+    model = MemoryLimitedBert(tiny_bert_config(num_labels=3))
+    data = seq_cls_data(32, torch.Generator().manual_seed(1))
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path / "fits", 16, 2), train_dataset=data)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()  # training's own micro-batch of 16 does not fit; the measurement did
+    finding = json.loads((tmp_path / "fits" / "accumulation_check.json").read_text())["loss_normalisation"]
+    assert finding["decided_by"] in ("values", "tie") and finding["cuts"] >= 2
+    model.max_rows = 0
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = GradAccumTrainer(model=model, args=_args(tmp_path / "none", 4, 2), train_dataset=data)
+    with pytest.raises(ModelLossError, match="the probe ran out of memory even on cuts of two rows"):
+        trainer.train()
+    assert all(torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
 
 
 def _worker(tmp_path, name, micro, steps, limit_mb):

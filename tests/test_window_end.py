@@ -116,7 +116,8 @@ def test_a_non_finite_gradient_still_skips_the_window(tmp_path):
 
     # The loss stays finite; the gradients of the first window are NaN (a module hook survives the Trainer's copy).
     poisoned.classifier.register_forward_hook(poison_first_window)
-    # The rule named: the first window's measurement would run forwards of its own through the poisoning hook.
+    # The rule named and left unchecked: the first window's measurement would run forwards of its own through the
+    # poisoning hook.
     trained, trainer = train_with(
         WhereWindowsEnd,
         case,
@@ -127,6 +128,7 @@ def test_a_non_finite_gradient_still_skips_the_window(tmp_path):
         str(tmp_path),
         max_grad_norm=1.0,
         loss_normalisation="label_tokens",
+        check_declared_normalisation=False,
     )
     (first, first_in_clipping), (second, second_in_clipping) = trainer.ends
     assert first_in_clipping == second_in_clipping == CLIPS_THROUGH_METHODS

@@ -184,11 +184,22 @@ class GradAccumFields:
         default="auto",
         metadata={
             "help": "What a micro-batch's loss is normalised by, which is its weight. 'auto': measured on the first "
-            "window before any step, from the loss values of cuts of each micro-batch (a mean over label tokens, "
-            "shifted label tokens, rows, boxes or another count the batch carries, or a sum); a loss that is none "
-            "of them stops with the cause. Or name it: 'label_tokens', 'shifted_label_tokens', 'rows', 'sum', "
-            "'boxes'. The finding is logged and written to `output_dir/accumulation_check.json`.",
+            "window before any step, from the losses of cuts across its micro-batches (a mean over label tokens, "
+            "shifted label tokens, rows, boxes, a sample weight or another count the batch carries, a class-weighted "
+            "count, or a sum), and re-weighed on every later window where rules tied; a loss that is none of them, "
+            "or that the window cannot tell apart, stops with the cause. Or name it: 'label_tokens', "
+            "'shifted_label_tokens', 'rows', 'sum', 'boxes' (checked on the first window, see "
+            "`check_declared_normalisation`). The finding is logged and written to "
+            "`output_dir/accumulation_check.json`.",
             "choices": list(LOSS_NORMALISATIONS),
+        },
+    )
+    check_declared_normalisation: bool = field(
+        default=True,
+        metadata={
+            "help": "Check a named `loss_normalisation`, or the count a `count_micro_batch_items` override returns, "
+            "against the first window's cuts, and stop with the residual where the window contradicts it. False: "
+            "train with the declaration unchecked (for a loss you know the probe cannot run as training does)."
         },
     )
     batchnorm_statistics: str = field(
@@ -312,6 +323,7 @@ def validate_gradaccum_fields(args: Any) -> None:
         "atomic_checkpoints",
         "check_unknown_compositions",
         "offload_accumulation_buffer",
+        "check_declared_normalisation",
     ):
         if not isinstance(gradaccum_option(args, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {gradaccum_option(args, name)!r}.")

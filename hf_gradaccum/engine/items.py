@@ -114,19 +114,23 @@ def count_items_in_batches(
     )
 
 
-def read_counts(counts: Sequence[int | torch.Tensor]) -> list[int]:
-    """The values of counts from [`items_on_device`], with one read per device that holds some of them."""
+def read_counts(counts: Sequence[int | float | torch.Tensor]) -> list[int | float]:
+    """The values of counts from [`items_on_device`], with one read per device that holds some of them: integers,
+    except counts that are sums of weights (a sample weight, a class-weighted count), which stay fractional."""
     values: list[Any] = list(counts)
     on_device: dict[torch.device, list[int]] = {}
     for index, count in enumerate(values):
         if torch.is_tensor(count):
             on_device.setdefault(count.device, []).append(index)
     for indices in on_device.values():
+        floating = [values[i].is_floating_point() for i in indices]
         if len(indices) == 1:  # one count: no stacking kernel
-            values[indices[0]] = int(values[indices[0]].item())
+            value = values[indices[0]].item()
+            values[indices[0]] = float(value) if floating[0] else int(value)
             continue
-        for index, value in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
-            values[index] = int(value)
+        stacked = torch.stack([values[i].double() for i in indices]).tolist()
+        for index, value, is_float in zip(indices, stacked, floating, strict=True):
+            values[index] = float(value) if is_float else int(value)
     return values
 
 

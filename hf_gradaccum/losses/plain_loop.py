@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..engine.accumulator import GradientAccumulator as EngineAccumulator
-from ..engine.loss_normalisation import NONE, NormalisationFinding, measure_loss_normalisation
+from ..engine.loss_normalisation import NONE, LaterWindowCheck, NormalisationFinding, measure_loss_normalisation
 from ..engine.reduction import world_size_and_rank
 from ..verification.isolation import isolated_probe
 from ..verification.split_invariance import tolerance_for
@@ -30,6 +30,22 @@ from .moe import adds_router_loss
 from .probe_gradients import gradient_residual_for, reduce_max_over_ranks
 
 logger = logging.getLogger(__name__)
+
+
+def _model_loss(base: nn.Module) -> tuple[Any, Any]:
+    """The model's own loss of a batch, as a float (no graph) and with its graph; autocast off: the weighting does not
+    depend on the precision, and the parameters' own separates rules best."""
+    device_type = next((p.device.type for p in base.parameters()), "cpu")
+
+    def loss_of(part: Mapping[str, Any]) -> float:
+        with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
+            return float(base(**part).loss.float())
+
+    def loss_with_graph(part: Mapping[str, Any]) -> torch.Tensor:
+        with torch.autocast(device_type=device_type, enabled=False):
+            return base(**part).loss
+
+    return loss_of, loss_with_graph
 
 
 def settle_plain_loop_rule(
@@ -82,17 +98,7 @@ def settle_plain_loop_rule(
             "term knowingly."
         )
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
-
-    device_type = next((p.device.type for p in base.parameters()), "cpu")
-
-    # Autocast off: the weighting does not depend on the precision, and the parameters' own separates rules best.
-    def loss_of(part: Mapping[str, Any]) -> float:
-        with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
-            return float(base(**part).loss.float())
-
-    def loss_with_graph(part: Mapping[str, Any]) -> torch.Tensor:
-        with torch.autocast(device_type=device_type, enabled=False):
-            return base(**part).loss
+    loss_of, loss_with_graph = _model_loss(base)
 
     params = [p for p in base.parameters() if p.requires_grad]
     with isolated_probe(base):
@@ -105,6 +111,15 @@ def settle_plain_loop_rule(
             tolerance=tolerance_for(dtype),
             reduce_max=reduce_max_over_ranks,
             gradient_residual=gradient_residual_for(params, loss_with_graph) if measure_gradients else None,
+            # A model of transformers returns a mean; a class-weighted count is fitted on this process's cuts.
+            sum_in_play=False,
+            fit_classes=world_size == 1,
+        )
+    if finding.stop:
+        raise ModelLossError(
+            f"{name}: what its loss divides by could not be settled on its first micro-batch ({finding.stop}). "
+            "Stopped before anything was accumulated.\nFix: pass `num_items=` with what the loss divides by, or "
+            "`loss_normalisation=` naming it."
         )
     if finding.decided_by == "undecided":
         logger.warning(
@@ -162,3 +177,39 @@ class GradientAccumulator(EngineAccumulator):
             world_size=world,
             measure_gradients=not self.sharded and self._window is None,
         )
+
+    # The first batch's tie (rules that weigh one micro-batch alike), re-weighed on every later batch against it.
+    _tie: LaterWindowCheck | None = None
+    _tie_reference: dict[str, Any] | None = None
+    _tie_batches = 0
+
+    def _resolve_num_items(
+        self, num_items: int | float | torch.Tensor | None, batch: Mapping[str, Any] | None
+    ) -> int | float | torch.Tensor | None:
+        """The items of `batch` under the rule settled on the first batch; where rules tied there, each later batch
+        re-weighs them against the first, before its gradients are folded (a contradicted rule stops)."""
+        first = self.normalisation is None
+        count = super()._resolve_num_items(num_items, batch)
+        if batch is None or self.normalisation is None or self._model is None:
+            return count
+        if first:
+            finding = self.normalisation
+            if finding.decided_by in ("tie", "undecided") and len(finding.equivalent) > 1:
+                self._tie = LaterWindowCheck(finding)
+                self._tie_reference = {k: v.detach() if torch.is_tensor(v) else v for k, v in batch.items()}
+        elif self._tie is not None and self._tie.active:
+            self._tie_batches += 1
+            base = unwrap_model(self._model)
+            loss_of, _ = _model_loss(base)
+            with isolated_probe(base):
+                reason = self._tie.check(
+                    [self._tie_reference, dict(batch)], f"batch {self._tie_batches + 1} (against the first)", loss_of,
+                    take_rows=take_rows, concat=concat_window, reduce_max=reduce_max_over_ranks,
+                )  # fmt: skip
+            if reason:
+                raise ModelLossError(
+                    f"{type(base).__name__}: {reason}. Stopped before this micro-batch's gradients were folded (the "
+                    "optimizer has not stepped on this window).\nFix: pass `num_items=` with what the loss divides "
+                    "by, or `loss_normalisation=` naming it."
+                )
+        return count

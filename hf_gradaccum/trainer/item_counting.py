@@ -75,3 +75,20 @@ def warn_once(trainer: Any, key: str, message: str, *args: Any) -> None:
     if key not in warned:
         warned.add(key)
         logger.warning(message, *args)
+
+
+def count_prefetched_window(trainer: Any, batch_samples: list[dict[str, Any]]) -> list[int | float] | None:
+    """The items of each prefetched micro-batch where the loss sees that very batch (elsewhere they are counted at the
+    loss), kept on `trainer` for the micro-steps; `None` where they are not counted here."""
+    trainer._window_items_local = None
+    trainer._window_counts = {}
+    if not (trainer._count_at_prefetch or trainer._handed_count):
+        return None
+    try:
+        counts = trainer._count_window(batch_samples)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    trainer._window_items_local = float(sum(counts))
+    # Reused at each micro-step: counting again there would read the device once per micro-batch.
+    trainer._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
+    return counts

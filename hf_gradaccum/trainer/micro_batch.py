@@ -113,6 +113,9 @@ class MicroBatchRun:
         # A trainer that generates or rebuilds its batch inside the micro-step counts it its own way.
         self.rule = trainer._generation_accumulation
         self.parent_items = num_items_for_parent(trainer, num_items, handed=bool(trainer._handed_count))
+        if trainer._stock_num_items is not None:
+            # A user's `compute_loss` sees what the stock Trainer hands it; the settled rule weights what it returns.
+            self.parent_items = trainer._stock_num_items
         self.counted: list[float] = []
         self.handed_over = 0
 
@@ -172,7 +175,7 @@ class MicroBatchRun:
             return self.num_items, _nothing_to_undo
         if self.counted:  # recomputed after an fp16 overflow: the same inputs, already counted
             return self.counted[0], _nothing_to_undo
-        return self.trainer.count_micro_batch_items(loss_inputs), _nothing_to_undo
+        return self.trainer._declared_items(loss_inputs), _nothing_to_undo
 
     def present(self, loss_inputs: Any) -> tuple[float, Undo]:
         """Count the loss's inputs and install the window statistics its loss reads (entropy threshold, term weights,
@@ -198,7 +201,9 @@ class MicroBatchRun:
 
     def items_for_loss(self, items: float) -> torch.Tensor | None:
         """`num_items_in_batch` for the parent's `compute_loss`, once the items are counted."""
-        return self.parent_items if self.trainer._handed_count else num_items_for_parent(self.trainer, items)
+        if self.trainer._handed_count or self.trainer._stock_num_items is not None:
+            return self.parent_items
+        return num_items_for_parent(self.trainer, items)
 
     def hand_over(self, loss: torch.Tensor) -> torch.Tensor:
         """What Accelerate back-propagates for this micro-batch's loss: the accumulator's tensor for it."""

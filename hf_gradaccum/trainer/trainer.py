@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -61,11 +61,12 @@ from ..losses.accumulation_check import check_trainer_window
 from ..losses.counting import WindowLossLog, training_step_passes_through
 from ..losses.coupled import CoupledWindowMode
 from ..losses.moe import MoEWindowMode, adds_router_loss, window_router_mode
-from ..losses.rule import TrainerLossRule
+from ..losses.rule import TrainerLossRule, hands_stock_items
+from ..losses.trainer_probe import stock_num_items
 from .accumulator_state import load_accumulator_state, resume_state_path, save_accumulator_state
 from .atomic_checkpoints import save_checkpoint_atomically
 from .effective_batch import EffectiveBatchCallback
-from .item_counting import labels_on_device, shifts_labels
+from .item_counting import count_prefetched_window, labels_on_device, shifts_labels
 from .loss_handover import install_window_scaler
 from .micro_batch import MicroBatchRun, presented_as_one_step
 from .out_of_memory import LoopRestartCallback, shrink_micro_batch
@@ -127,6 +128,8 @@ class GradAccumTrainer(Trainer):
     # `effective_batch_size`: this class's `get_train_dataloader` builds the run's windows (`distributed/run_batch.py`).
     _honours_run_batch = True
     _run_batch: RunBatchMode | None = None
+    # The window's `num_items_in_batch` as the stock Trainer counts it, for a user's `compute_loss`.
+    _stock_num_items: torch.Tensor | int | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
@@ -174,6 +177,8 @@ class GradAccumTrainer(Trainer):
         # not divide the loss by the accumulation steps. `loss_is_scaled_for_ga` is the attribute transformers
         # documents for subclasses that scale their own loss; releases before 5.19 lack it, and there each
         # micro-batch is presented with `current_gradient_accumulation_steps` 1 instead (`presented_as_one_step`).
+        # The stock Trainer's view still decides the `num_items_in_batch` a user's `compute_loss` is handed.
+        self._stock_accepts_loss_kwargs = self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = False
         self._present_one_step = not trainer_reads_loss_is_scaled_for_ga()
         if not self._present_one_step:
@@ -292,6 +297,11 @@ class GradAccumTrainer(Trainer):
             return self.coupled_mode.coupled_loss.num_items_fn(inputs)
         return read_counts([self._items_on_device(inputs)])[0]
 
+    def _declared_items(self, inputs: dict[str, Any]) -> int | float:
+        """[`count_micro_batch_items`] of `inputs`; 1 where it declares terms (a dict: `mean_terms` returns shares)."""
+        items = self.count_micro_batch_items(inputs)
+        return 1 if isinstance(items, Mapping) else items
+
     def _items_on_device(self, inputs: dict[str, Any]) -> int | torch.Tensor:
         """The default [`count_micro_batch_items`], a count of labels left as a tensor beside them."""
         return labels_on_device(self, inputs)
@@ -302,7 +312,7 @@ class GradAccumTrainer(Trainer):
         if self.coupled_mode is not None or (
             type(self).count_micro_batch_items is not GradAccumTrainer.count_micro_batch_items
         ):
-            return [self.count_micro_batch_items(batch) for batch in batches]
+            return [self._declared_items(batch) for batch in batches]
         return read_counts([self._items_on_device(batch) for batch in batches])
 
     def _micro_batch_items(self, batch: dict[str, Any]) -> int:
@@ -311,7 +321,7 @@ class GradAccumTrainer(Trainer):
         cached = self._window_counts.get(id(batch))
         if cached is not None and cached[0] is batch:
             return cached[1]
-        return self.count_micro_batch_items(batch)
+        return self._declared_items(batch)
 
     def _shifts_labels(self) -> bool:
         """Whether items are counted as a causal LM's loss sees them (`labels[..., 1:]`), decided once per model."""
@@ -331,26 +341,12 @@ class GradAccumTrainer(Trainer):
         self._micro_index = 0
         # Before any count: the first window settles what the model's loss is normalised by (or stops).
         self._loss_rule.window_prefetched(self, batch_samples)
-        counts = self._count_prefetched_window(batch_samples)
+        counts = count_prefetched_window(self, batch_samples)
+        # A user's `compute_loss` gets what the stock Trainer would hand it (as the measurement did).
+        self._stock_num_items = stock_num_items(self, batch_samples) if hands_stock_items(self) else None
         start_window(self, batch_samples, counts)
         # `None`: the model computes its own per-micro-batch mean, which the accumulator weights.
         return batch_samples, None
-
-    def _count_prefetched_window(self, batch_samples: list[dict[str, Any]]) -> list[int] | None:
-        """The items of each prefetched micro-batch where the loss sees that very batch (elsewhere it is counted at
-        the loss), kept for the micro-steps; `None` where they are not counted here."""
-        self._window_items_local = None
-        self._window_counts = {}
-        if not (self._count_at_prefetch or self._handed_count):
-            return None
-        try:
-            counts = self._count_window(batch_samples)
-        except (ValueError, TypeError, AttributeError):
-            return None
-        self._window_items_local = float(sum(counts))
-        # Reused at each micro-step: counting again there would read the device once per micro-batch.
-        self._window_counts = {id(b): (b, n) for b, n in zip(batch_samples, counts, strict=True)}
-        return counts
 
     def verify_accumulation(self, batches: list[dict[str, Any]]):
         """Split-invariance check of accumulation on `batches` (`verify_accumulation` option); see
