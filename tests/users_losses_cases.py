@@ -489,7 +489,8 @@ def _contrastive_rows(g: torch.Generator) -> list[dict]:
     return rows
 
 
-def _rdrop_rows(g: torch.Generator) -> list[dict]:
+def noise_rows(g: torch.Generator) -> list[dict]:
+    """Sequence rows with a fixed per-row embedding perturbation (R-drop's second view without dropout)."""
     rows = seq_rows(g)
     for row in rows:
         row["noise"] = torch.randn(SEQ, HIDDEN, generator=g)
@@ -565,6 +566,10 @@ class Case:
         divides_by: the loss's own normalisation in words.
         width: fixed padding width, or `None` to pad each batch to its longest row.
         prepare: called with the trainer after construction (a frozen teacher).
+        args: `TrainingArguments` fields changed from `TRAIN_ARGS`.
+
+    `train_once` reads only `mixin`, `model`, `rows`, `width`, `prepare` and `args`: another zoo's case class with those
+    fields (`tests/subclass_cases.py`) runs through it as well.
     """
 
     name: str
@@ -574,6 +579,7 @@ class Case:
     divides_by: str
     width: int | None = None
     prepare: Callable[[Any], None] | None = None
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 CASES: tuple[Case, ...] = (
@@ -610,7 +616,7 @@ CASES: tuple[Case, ...] = (
          "attended tokens (attention_mask sum; fixed width 10, lengths 2/10/4/7)", width=SEQ),
     Case("in_batch_contrastive", InBatchContrastive, lambda: bert_seq(8), _contrastive_rows,
          "rows, over in-batch negatives (a statistic of the batch)"),
-    Case("rdrop", RDrop, bert_seq, _rdrop_rows, "rows (two forwards, CE + symmetric KL)"),
+    Case("rdrop", RDrop, bert_seq, noise_rows, "rows (two forwards, CE + symmetric KL)"),
     Case("causal_lm_by_hand", CausalLMByHand, llama, lambda g: lm_rows(g, MICRO_LENGTHS),
          "shifted label tokens; lengths 3/10/5/8 per micro-batch, padded per batch"),
     Case("float_mask_tokens", FloatMaskTokens, bert_tok, _float_mask_rows,
@@ -620,11 +626,12 @@ CASES: tuple[Case, ...] = (
 )  # fmt: skip
 
 
-def find_case(name: str) -> Case:
-    for case in CASES:
+def find_case(name: str, cases: tuple[Any, ...] = CASES) -> Any:
+    """The case of `cases` (this module's by default) called `name`."""
+    for case in cases:
         if case.name == name:
             return case
-    raise KeyError(f"no case {name!r}; the cases: {', '.join(c.name for c in CASES)}")
+    raise KeyError(f"no case {name!r}; the cases: {', '.join(c.name for c in cases)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -635,21 +642,22 @@ def flat_trainable(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
 
 
-def build(case: Case) -> tuple[torch.nn.Module, list[dict]]:
+def build(case: Any) -> tuple[torch.nn.Module, list[dict]]:
     """The case's model (seeded, the same initial weights every time) and its window's rows."""
     torch.manual_seed(MODEL_SEED)
     model = case.model()
     return model, case.rows(torch.Generator().manual_seed(DATA_SEED))
 
 
-def trainer_class(case: Case, kind: str) -> type:
+def trainer_class(case: Any, kind: str) -> type:
     """`class T(Mixin, Trainer)` (reference, stock) or `class T(Mixin, GradAccumTrainer)` (ours)."""
     if kind == "ours":
         from hf_gradaccum import GradAccumTrainer as base
     else:
         from transformers import Trainer as base
     namespace: dict[str, Any] = {}
-    if not HAS_SAMPLING_STRATEGY:  # transformers 4.x: dataset order by the Trainer's own extension point
+    # transformers 4.x: dataset order by the Trainer's own extension point, unless the mixin sets its own sampler
+    if not HAS_SAMPLING_STRATEGY and not hasattr(case.mixin, "_get_train_sampler"):
         namespace["_get_train_sampler"] = sequential_train_sampler
     return type(f"{case.mixin.__name__}{base.__name__}", (case.mixin, base), namespace)
 
@@ -668,20 +676,36 @@ def _count_optimizer_steps():
         handle.remove()
 
 
-def _where(error: BaseException) -> str:
-    """The innermost frame of the traceback that is the case's own code, the package's, or transformers'."""
+CASES_FILE = "tests/users_losses_cases.py"
+
+
+def _where(error: BaseException, cases_file: str = CASES_FILE) -> str:
+    """The innermost frame of the traceback that is the case's own code (in `cases_file`), the package's, or
+    transformers'."""
     frames = traceback.extract_tb(error.__traceback__)
     for frame in reversed(frames):
         path = frame.filename.replace(os.sep, "/")
-        for marker in ("hf_gradaccum/", "tests/users_losses_cases.py", "transformers/", "accelerate/"):
+        for marker in ("hf_gradaccum/", cases_file, "transformers/", "accelerate/"):
             if marker in path:
                 return f"{path[path.index(marker) :]}:{frame.lineno} ({frame.name})"
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
-def train_once(case: Case, kind: str, output_dir: str) -> dict[str, Any]:
+def train_once(
+    case: Any,
+    kind: str,
+    output_dir: str,
+    *,
+    cases_file: str = CASES_FILE,
+    dataset_type: Callable[[list[dict]], Dataset] = Rows,
+    observe: Callable[[dict[str, Any], Any, Dataset], None] | None = None,
+) -> dict[str, Any]:
     """One optimizer step of the case with the run `kind` of `RUNS`: the update (or the exception), the optimizer
-    steps taken, what the user's loss recorded and, for ours, the package's own finding."""
+    steps taken, what the user's loss recorded and, for ours, the package's own finding.
+
+    For another zoo's cases: `cases_file` is where their mixins are (an exception raised there is the user's),
+    `dataset_type` wraps the window's rows, and `observe(out, trainer, dataset)` adds that zoo's own fields to the run
+    after the steps are counted (`trainer` is `None` where it was not built)."""
     from transformers import TrainingArguments
 
     micro, steps = RUNS[kind]
@@ -690,14 +714,15 @@ def train_once(case: Case, kind: str, output_dir: str) -> dict[str, Any]:
     else:
         args_cls = TrainingArguments
     model, rows = build(case)
+    dataset = dataset_type(rows)
     before = flat_trainable(model)
     out: dict[str, Any] = {"kind": kind}
     trainer = None
     with _count_optimizer_steps() as counter:
         try:
             args = args_cls(output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=steps,
-                            **TRAIN_ARGS)  # fmt: skip
-            trainer = trainer_class(case, kind)(model=model, args=args, train_dataset=Rows(rows),
+                            **{**TRAIN_ARGS, **case.args})  # fmt: skip
+            trainer = trainer_class(case, kind)(model=model, args=args, train_dataset=dataset,
                                                 data_collator=pad_collator(case.width))  # fmt: skip
             if case.prepare is not None:
                 case.prepare(trainer)
@@ -708,12 +733,14 @@ def train_once(case: Case, kind: str, output_dir: str) -> dict[str, Any]:
                 "type": type(e).__name__,
                 "module": type(e).__module__,
                 "message": str(e),
-                "where": _where(e),
+                "where": _where(e, cases_file),
                 "traceback": traceback.format_exc()[-3000:],
             }
             out["moved"] = not torch.equal(flat_trainable(model), before)
     out["optimizer_steps"] = counter["steps"]
     out["global_step"] = trainer.state.global_step if trainer is not None else 0
+    if observe is not None:
+        observe(out, trainer, dataset)
     notes = dict(getattr(trainer, "case_notes", {}) or {})
     if "rows" in notes:
         notes["rows"] = notes["rows"][:40]

@@ -244,6 +244,21 @@ class DetectionTerms:
         return f"the weighted terms add up to {total:.6g}, the model's loss is {float(loss):.6g}"
 
 
+# transformers' losses known to be one mean, by `loss_type`: the rule is kept where it holds and rules that weigh the
+# window otherwise hold too (the focal-loss DETR detectors divide every term by the batch's boxes; at initialisation
+# their parts' losses can be too alike for the cuts to tell boxes from rows).
+REGISTERED_RULES: dict[str, str] = {
+    "DeformableDetrForObjectDetection": "boxes",
+    "ConditionalDetrForObjectDetection": "boxes",
+    "DabDetrForObjectDetection": "boxes",
+}
+
+
+def registered_rule(model: nn.Module) -> str | None:
+    """The single weighting registered for `model`'s loss ([`REGISTERED_RULES`]), if any."""
+    return REGISTERED_RULES.get(getattr(unwrap_model(model), "loss_type", None) or "")
+
+
 def registered_terms(model: nn.Module, batch: Mapping[str, Any]) -> WindowTerms | DetectionTerms | None:
     """The per-term weighting registered for `model`'s loss, where `batch` carries what it needs."""
     base = unwrap_model(model)

@@ -49,6 +49,10 @@ def gradient_residual_for(
             first = 0.0
             for index, (batch, weight) in enumerate(terms):
                 loss = loss_with_graph(batch)
+                if not loss.requires_grad:
+                    # A loss returned without its graph (its own backward ran inside `compute_loss`): no gradient
+                    # to compare here, the loss values decide alone.
+                    return math.nan
                 if weight:
                     (loss.float() * weight).backward()
                 if index == 0:

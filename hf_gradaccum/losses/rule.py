@@ -61,6 +61,7 @@ from .model_losses import (
     contrastive_coupled_loss,
     in_model_contrastive,
     refuse_batchnorm,
+    registered_rule,
     registered_terms,
     training_batchnorms,
 )
@@ -299,6 +300,7 @@ class TrainerLossRule:
             take_rows=take_rows, concat=concat_window, prior=prior, tolerance=tolerance_for(dtype),
             label_name=self._label_name(trainer), reduce_max=reduce_max_over_ranks, declared=declared,
             counters=counters, sum_in_play=loss_class(trainer) is not None, fit_classes=trainer.args.world_size == 1,
+            registered=None if loss_class(trainer) is not None else registered_rule(model),
             # Sharded engines own the gradients (their backward reduce-scatters into buffers of theirs): the loss
             # values decide alone there.
             gradient_residual=None if _engine_owns_gradients(trainer)

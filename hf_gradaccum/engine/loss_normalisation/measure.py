@@ -232,6 +232,7 @@ def measure_loss_normalisation(
     counters: Mapping[str, Counter] | None = None,
     sum_in_play: bool = True,
     fit_classes: bool = True,
+    registered: str | None = None,
 ) -> NormalisationFinding:
     """
     Find how the loss computed by `loss_of(batch)` (a float: the loss of one batch) is normalised, from every
@@ -258,6 +259,8 @@ def measure_loss_normalisation(
             model of transformers returns means.
         fit_classes: where no rule holds, try a count weighted per class (one process: the weights are fitted on
             this rank's cuts).
+        registered: the rule the model's loss is known to follow: where it holds, it is kept, even where rules that
+            weigh the window otherwise hold too (said so).
 
     Example:
 
@@ -356,6 +359,16 @@ def measure_loss_normalisation(
 
     groups = window_classes(holding, counts, reduce_max)
     finding.window_weights = {r: _weights(counts[r]) for r in holding if r != SUM}
+    if registered in holding:
+        group = next(g for g in groups if registered in g)
+        finding.rule, finding.decided_by, finding.equivalent = registered, "registry", list(group)
+        others = [r for r in holding if r not in group]
+        finding.note = "the registered weighting of this loss, which holds on the window's cuts" + (
+            f" (so do {', '.join(others)}, which weigh the window otherwise: the losses cannot tell them apart)"
+            if others
+            else ""
+        )
+        return _done(finding, start)
     if len(groups) > 1:
         finding.decided_by = "stopped"
         finding.stop = (
