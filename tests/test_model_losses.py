@@ -227,3 +227,42 @@ def test_plain_loop_reweighs_a_tie_on_later_batches(tmp_path):
     assert accumulator.normalisation.decided_by == "tie" and "rows" in accumulator.normalisation.equivalent
     # The second batch decided it (rows and the attended tokens contradicted): nothing left to re-weigh on the third.
     assert accumulator._tie.windows_checked == 1 and accumulator._tie.cuts == 1 and accumulator._tie.tied == []
+
+
+def test_padding_free_micro_batches_are_measured_and_exact(tmp_path):
+    """One packed row per micro-batch with flash-attention kwargs (`DataCollatorWithFlattening`): the measurement joins
+    whole micro-batches (their kwargs dropped, `position_ids` keep the sequences apart) and the step is the large
+    batch's."""
+    import json
+
+    from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer
+
+    from hf_gradaccum import GradAccumArguments, GradAccumTrainer
+
+    from .model_loss_cases import Rows
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": torch.randint(1, 64, (int(n),), generator=g).tolist()} for n in [3, 9, 4, 7] * 3]
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+
+    def step(ours: bool, micro: int, steps: int, out: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        start = flat(model)
+        args = (GradAccumArguments if ours else __import__("transformers").TrainingArguments)(
+            out, per_device_train_batch_size=micro, gradient_accumulation_steps=steps, max_steps=1, optim="sgd",
+            learning_rate=0.1, max_grad_norm=0.0, lr_scheduler_type="constant", train_sampling_strategy="sequential",
+            remove_unused_columns=False, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        (GradAccumTrainer if ours else Trainer)(
+            model=model, args=args, train_dataset=Rows(rows), data_collator=collate
+        ).train()
+        return flat(model) - start
+
+    reference = step(False, 12, 1, str(tmp_path / "stock"))
+    ours = step(True, 3, 4, str(tmp_path / "ours"))
+    assert float((ours - reference).norm() / reference.norm()) <= TOLERANCE
+    finding = json.loads((tmp_path / "ours" / "accumulation_check.json").read_text())["loss_normalisation"]
+    assert finding["cuts"] >= 2 and finding["decided_by"] in ("values", "tie"), finding

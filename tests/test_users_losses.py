@@ -68,6 +68,16 @@ class DividesByItems:
         return (loss, outputs) if return_outputs else loss
 
 
+class DividesByItemsGuarded:
+    """transformers' documented pattern: the `num_items_in_batch` division, else the micro-batch's own mean."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+        summed = F.cross_entropy(outputs.logits, inputs["labels"], reduction="sum")
+        loss = summed / num_items_in_batch if num_items_in_batch is not None else summed / len(inputs["labels"])
+        return (loss, outputs) if return_outputs else loss
+
+
 class ReadsTrainerState:
     seen: list = []
 
@@ -155,6 +165,10 @@ def test_class_weighted_cross_entropy_is_exact(tmp_path):
 def test_dividing_by_num_items_in_batch_without_the_guard_is_exact(tmp_path):
     assert _parity(DividesByItems, _rows(), tmp_path) <= RTOL
     assert _finding(tmp_path)["loss_normalisation"]["rule"] == "sum"
+
+
+def test_dividing_by_num_items_in_batch_with_the_guard_is_exact(tmp_path):
+    assert _parity(DividesByItemsGuarded, _rows(), tmp_path) <= RTOL
 
 
 def test_a_subclass_reading_trainer_state_is_exact(tmp_path):

@@ -50,6 +50,7 @@ def concat_window(batches: Sequence[Mapping[str, Any]], *, pad_token_id: int = 0
     """
     if not batches:
         raise ValueError("`batches` is empty: pass the micro-batches of one accumulation window.")
+    batches = _without_packed_row_keys(batches)
     keys = list(batches[0])
     for i, batch in enumerate(batches):
         if not isinstance(batch, Mapping):
@@ -72,6 +73,21 @@ def concat_window(batches: Sequence[Mapping[str, Any]], *, pad_token_id: int = 0
             values = _pad_right(values, key, pad_token_id)
         rows[key] = torch.cat(values, dim=0)
     return rows, sizes
+
+
+# Padding-free batches (one packed row: `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) carry the bounds
+# of their sequences twice: in `position_ids`, from which transformers keeps packed sequences apart, and in
+# flash-attention kwargs that describe one packed row only. Stacked as rows, those kwargs no longer describe the batch:
+# they are dropped, and `position_ids` carry the bounds.
+_PACKED_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _without_packed_row_keys(batches: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    if len(batches) < 2 or not any(k in batches[0] for k in _PACKED_ROW_KEYS):
+        return batches
+    if not all(isinstance(b, Mapping) and "position_ids" in b for b in batches):
+        return batches
+    return [{k: v for k, v in b.items() if k not in _PACKED_ROW_KEYS} for b in batches]
 
 
 class _RowList(list):

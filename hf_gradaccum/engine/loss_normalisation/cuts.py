@@ -167,6 +167,8 @@ def select_rows(
 ) -> dict[str, Any]:
     """The rows `rows` of `batch` (consecutive runs taken as slices), per-row lists cut with them."""
     total = batch_rows(batch)
+    if list(rows) == list(range(total)):
+        return dict(batch)  # all of it, as it is (a padding-free row keeps the kwargs that describe it)
     runs: list[tuple[int, int]] = []
     for r in rows:
         if runs and runs[-1][1] == r:
