@@ -357,7 +357,9 @@ def measure_loss_normalisation(
         )
         return _done(finding, start)
 
-    groups = window_classes(holding, counts, reduce_max)
+    all_groups = window_classes(holding, counts, reduce_max)
+    groups = _separated(all_groups, residuals, finding.gradient_residuals)
+    set_aside = [r for g in all_groups if g not in groups for r in g]
     finding.window_weights = {r: _weights(counts[r]) for r in holding if r != SUM}
     if registered in holding:
         group = next(g for g in groups if registered in g)
@@ -394,7 +396,34 @@ def measure_loss_normalisation(
         )
     if unmeasured:
         finding.note += f"; the gradients of {', '.join(unmeasured)} could not be measured (out of memory)"
+    if set_aside:
+        finding.note += (
+            f"; {', '.join(set_aside)} also hold within the tolerance, at least {_SEPARATION:.0f} times further off"
+        )
     return _done(finding, start)
+
+
+# Rules that hold within the precision's tolerance (bf16's) may still be told apart: one group fitting the cuts this
+# many times better than every other is what the data say, not a guess.
+_SEPARATION = 100.0
+
+
+def _separated(groups: list[list[str]], residuals: Mapping[str, float],
+               gradients: Mapping[str, float]) -> list[list[str]]:  # fmt: skip
+    """`groups`, or only the one whose loss residuals are `_SEPARATION` times below every other group's (and whose
+    gradient residuals, where measured, are no worse)."""
+    if len(groups) < 2:
+        return groups
+    worst = [max(residuals[r] for r in g) for g in groups]
+    best = min(range(len(groups)), key=lambda i: worst[i])
+    others = [min(residuals[r] for r in g) for i, g in enumerate(groups) if i != best]
+    if not all(max(worst[best], 1e-12) * _SEPARATION < other for other in others):
+        return groups
+    measured = {r: v for r, v in gradients.items() if not math.isnan(v)}
+    best_gradient = max((measured[r] for r in groups[best] if r in measured), default=None)
+    if best_gradient is not None and any(v < best_gradient for r, v in measured.items() if r not in groups[best]):
+        return groups
+    return [groups[best]]
 
 
 def _probe_cuts(probe: _Probe, table: Mapping[str, Any], rows: Sequence[int], candidates: Sequence[str],
