@@ -266,3 +266,19 @@ def test_padding_free_micro_batches_are_measured_and_exact(tmp_path):
     assert float((ours - reference).norm() / reference.norm()) <= TOLERANCE
     finding = json.loads((tmp_path / "ours" / "accumulation_check.json").read_text())["loss_normalisation"]
     assert finding["cuts"] >= 2 and finding["decided_by"] in ("values", "tie"), finding
+
+
+def test_a_loose_tolerance_keeps_the_rule_the_cuts_single_out():
+    """Under a bf16-like tolerance every rule holds, but one fits the cuts orders of magnitude better: it is kept (the
+    values decide), and the others are named; where no rule stands out, it is a stop."""
+    window = _window()
+    finding = measure_loss_normalisation(
+        LOSSES["label_tokens"], window, take_rows=take_rows, concat=concat_window, prior="rows", tolerance=0.9
+    )
+    assert finding.rule == "label_tokens" and finding.decided_by == "values" and not finding.stop, finding
+    assert "also hold within the tolerance" in finding.note
+    noisy = measure_loss_normalisation(
+        lambda b: LOSSES["label_tokens"](b) * (1 + 0.05 * len(b["x"]) % 3), window, take_rows=take_rows,
+        concat=concat_window, prior="rows", tolerance=0.9,
+    )  # fmt: skip
+    assert noisy.stop, noisy
