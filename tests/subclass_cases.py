@@ -453,6 +453,51 @@ class SAMTwoStep:
         return loss
 
 
+class OwnStepWithoutDivision:
+    """Its own `training_step` that back-propagates `compute_loss`'s loss without dividing by the accumulation steps
+    (a sum over the window's micro-batches under the stock Trainer)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+class BackwardInsideComputeLossOnly:
+    """`compute_loss` back-propagates the model's mean itself (`self.accelerator.backward(loss)`) and returns it
+    detached; `training_step` is the Trainer's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs.loss
+        if model.training and torch.is_grad_enabled():
+            _count(self, "backwards_in_compute_loss")
+            self.accelerator.backward(loss)
+        return (loss.detach(), outputs) if return_outputs else loss.detach()
+
+
+class BackwardInsideComputeLossDivided:
+    """The same, divided by `self.args.gradient_accumulation_steps` before the backward (written for the stock
+    Trainer's accumulation)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs.loss
+        if model.training and torch.is_grad_enabled():
+            self.accelerator.backward(loss / self.args.gradient_accumulation_steps)
+        return (loss.detach(), outputs) if return_outputs else loss.detach()
+
+
+def ignored_label_rows(g: torch.Generator) -> list[dict]:
+    """Sequence rows where some labels are -100 (left out of the loss's mean): 2, 3, 1 and 3 labelled rows in the four
+    micro-batches, so the micro-batches' means are over different counts."""
+    labels = [-100, 1, 0, 2, 1, 0, -100, -100, 2, 0, 1, 2]
+    return seq_rows(g, labels=labels)
+
+
 class _GradNormReader(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -533,6 +578,8 @@ class Case:
         show: keys of the trainer's `case_notes` the table shows for every run.
         model, width, prepare: as `tests/users_losses_cases.py`'s `Case` (the same for every case here: the tiny
             BERT sequence classifier, each batch padded to its longest row, nothing to prepare).
+        parent_order: the mixin is the user's existing `Trainer` subclass, composed after `GradAccumTrainer`
+            (`class T(GradAccumTrainer, Base)`) instead of before it.
     """
 
     name: str
@@ -544,6 +591,7 @@ class Case:
     model: Callable[[], torch.nn.Module] = bert_seq
     width: int | None = None
     prepare: Callable[[Any], None] | None = None
+    parent_order: bool = False
 
 
 # The large batch's gradient norm is about 0.22 (these rows and weights): clipped to about a third.
@@ -594,6 +642,18 @@ CASES: tuple[Case, ...] = (
     Case("passthrough_max_grad_norm", PassThroughStep,
          f"the batch's mean gradient, norm-clipped to {MAX_GRAD_NORM} by the Trainer",
          args={"max_grad_norm": MAX_GRAD_NORM}),
+    Case("stock_body_copy_parent_order", StockBodyCopy,
+         "the plain step (the stock body, in the user's `Trainer` subclass after GradAccumTrainer)",
+         show=("user_steps",), parent_order=True),
+    Case("older_shape_parent_order", OlderShape,
+         "the plain step (the hand division, in the user's `Trainer` subclass after GradAccumTrainer)",
+         show=("user_steps",), parent_order=True),
+    Case("older_shape_ignored_rows", OlderShape,
+         "the mean over the 9 labelled rows (micro-batches of 2, 3, 1 and 3: the hand division by 4 is not their "
+         "share)", rows=ignored_label_rows, show=("user_steps",)),
+    Case("own_step_without_division", OwnStepWithoutDivision,
+         "the plain step (the override's backward is of the batch's mean; at 3 x 4 its sum over micro-batches is not "
+         "the large batch's)"),
     Case("rdrop_own_step", RDropOwnStep,
          "mean CE of both views + symmetric KL over the 12 rows (no `compute_loss` call)", rows=noise_rows,
          show=("user_steps",)),

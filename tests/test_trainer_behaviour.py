@@ -202,7 +202,8 @@ def test_effective_batch_callback_works_with_the_stock_trainer(tmp_path, caplog)
 def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched(path, tmp_path, monkeypatch):
     """Each micro-batch runs the parent's own `training_step` and `Accelerator.backward` once, with no scaler
     installed (fp32, as in the stock Trainer), the Accelerator's `backward` routed through the accumulator only while
-    the micro-batch runs on the in-place path (and never on the hook path), the Trainer's own accumulation steps and
+    the micro-batch runs (on the hook path too: the parent is the user's own class, whose division of the loss by the
+    accumulation steps would be undone there), the Trainer's own accumulation steps and
     `average_tokens_across_devices` in place (transformers >= 5.19; older releases see the steps presented as 1), and
     the update equals the large batch's: one SGD step of 2 x 4 vs the stock Trainer on one batch of 8, 1e-5
     relative."""
@@ -240,7 +241,8 @@ def test_parent_step_and_accelerator_backward_run_once_per_micro_batch_unpatched
     ours.train()
     # "auto" keeps the hook path under a `training_step` it does not know (this test's `Recording`).
     assert ours.accumulator.in_place is (path == "in_place")
-    assert swapped == [False] * 4 and routed == [path == "in_place"] * 4
+    assert swapped == [False] * 4 and routed == [True] * 4
+    assert "backward" not in vars(ours.accelerator)  # the class's own again after each micro-batch
     assert "backward" not in vars(ours.accelerator)
     assert seen == [(4 if trainer_reads_loss_is_scaled_for_ga() else 1, True)] * 4
     assert len(backward_calls) == 4

@@ -651,14 +651,20 @@ def build(case: Any) -> tuple[torch.nn.Module, list[dict]]:
 
 def trainer_class(case: Any, kind: str) -> type:
     """`class T(Mixin, Trainer)` (reference, stock) or `class T(Mixin, GradAccumTrainer)` (ours)."""
+    from transformers import Trainer
+
     if kind == "ours":
         from hf_gradaccum import GradAccumTrainer as base
     else:
-        from transformers import Trainer as base
+        base = Trainer
     namespace: dict[str, Any] = {}
     # transformers 4.x: dataset order by the Trainer's own extension point, unless the mixin sets its own sampler
     if not HAS_SAMPLING_STRATEGY and not hasattr(case.mixin, "_get_train_sampler"):
         namespace["_get_train_sampler"] = sequential_train_sampler
+    if getattr(case, "parent_order", False) and base is not Trainer:
+        # The user's existing subclass of `Trainer`, composed after GradAccumTrainer: `class T(GradAccumTrainer, Base)`.
+        existing = type(f"{case.mixin.__name__}Trainer", (case.mixin, Trainer), {})
+        return type(f"GradAccumTrainer{existing.__name__}", (base, existing), namespace)
     return type(f"{case.mixin.__name__}{base.__name__}", (case.mixin, base), namespace)
 
 
@@ -736,7 +742,11 @@ def train_once(
                 "where": _where(e, cases_file),
                 "traceback": traceback.format_exc()[-3000:],
             }
-            out["moved"] = not torch.equal(flat_trainable(model), before)
+            # Beyond rounding: an override's own perturb-and-restore (SAM's `p.add_(e)`, `p.sub_(e)`) leaves the last
+            # bit of some weights changed, which is not a step.
+            after = flat_trainable(model)
+            out["weight_change"] = float((after - before).norm() / before.norm().clamp_min(1e-30))
+            out["moved"] = not out["weight_change"] <= 1e-6
     out["optimizer_steps"] = counter["steps"]
     out["global_step"] = trainer.state.global_step if trainer is not None else 0
     if observe is not None:

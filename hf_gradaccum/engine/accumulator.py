@@ -34,6 +34,7 @@ from .items import count_items_in_batch
 from .loss_normalisation import NAMED_RULES, SUM, NormalisationFinding, batch_count
 from .loss_scaling import DynamicLossScaler
 from .model_inspection import loss_shifts_labels
+from .presented_gradients import PresentedGradients
 from .recompute import MicroBatch, back_off_after_overflow, gradients_overflowed
 from .reduction import reduce_window, world_size_and_rank
 from .run_batch.layout import run_batch_accumulation_steps
@@ -263,6 +264,7 @@ class GradientAccumulator:
         # In-place path: the gradients' identities and version counters after the latest micro-batch, compared at
         # the next one and at the window's end (`_check_in_place_unchanged`).
         self._in_place_state: list | None = None
+        self._finished: tuple[WindowState, float] | None = None  # the last window's end, for `reopen_window`
         self._zero_item_backwards = 0  # FSDP2: weight-0 backwards of item-less micro-batches in this window
         self.micro_step = 0
         self.applied_steps = 0
@@ -289,6 +291,7 @@ class GradientAccumulator:
         param.grad = None
 
     def _start_window(self) -> None:
+        self._finished = None
         self.buffers.zero_()
         # Gradients left from the previous step (possibly views of the buffer) must not be accumulated into.
         for p in self.parameters:
@@ -384,6 +387,7 @@ class GradientAccumulator:
         *,
         batch: Mapping[str, Any] | None = None,
         can_recompute: bool = False,
+        continues: bool = False,
     ) -> None:
         """
         Start one micro-batch of `num_items` items (or the items of `batch`, as in [`backward`]): from here to
@@ -393,7 +397,9 @@ class GradientAccumulator:
         steps. Where [`loss_factor_is_one`] is `True` (no loss scaling, replicated buffers), `loss.backward()` itself
         may be used: the item weight is applied as the gradients are folded. [`backward`] and
         [`accumulate_micro_batch`] are these calls for a plain loop; the Trainer adapter makes them around its
-        parent's own `training_step`.
+        parent's own `training_step`. With `continues=True` the backward is one more loss of the micro-batch just
+        ended (a second loss over the same `num_items`, such as a `training_step` that back-propagates the batch and
+        an augmented copy): weighted alike, it adds neither a micro-step nor items to the window.
 
         Example:
 
@@ -409,7 +415,7 @@ class GradientAccumulator:
         False
         ```
         """
-        n = self._begin_micro_batch(self._resolve_num_items(num_items, batch))
+        n = self._begin_micro_batch(self._resolve_num_items(num_items, batch), continues=continues)
         needed = n > 0 or self.buffers.backward_without_items
         self._zero_item_backwards += needed and n == 0
         recompute = can_recompute and self.loss_scaler is not None and self.overflow_policy == "recompute"
@@ -576,20 +582,24 @@ class GradientAccumulator:
         token_level = torch.is_tensor(labels) and labels.dim() > 1
         return "shifted_label_tokens" if token_level and shift else "label_tokens"
 
-    def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None) -> float:
+    def _begin_micro_batch(self, num_items: int | float | torch.Tensor | None, continues: bool = False) -> float:
+        if continues and (self._window is None or not self._window.micro_steps):
+            raise RuntimeError("`continues=True` needs a micro-batch of this window to continue.")
         if self._window is None:
             self._start_window()
         elif self.in_place:
             self._check_in_place_unchanged()
-        self.micro_step += 1
-        self._window.micro_steps += 1
+        if not continues:
+            self.micro_step += 1
+            self._window.micro_steps += 1
         if num_items is None:
             n = 1.0
         else:
             n = float(num_items.item() if torch.is_tensor(num_items) else num_items)
             if n < 0 or not math.isfinite(n):
                 raise ValueError(f"`num_items` must be a finite number >= 0, got {num_items!r}.")
-        self._window.items += n
+        if not continues:
+            self._window.items += n
         return n
 
     def _backward_attempt(self, loss: torch.Tensor) -> None:
@@ -635,6 +645,7 @@ class GradientAccumulator:
             self.micro_step -= self._window.micro_steps
         self._window = None
         self._in_place_state = None
+        self._finished = None
         self._micro, self._fold_alpha, self._defer_fold = None, None, False
         self._zero_item_backwards = 0
         if self.fsdp_schedule is not None:
@@ -770,10 +781,67 @@ class GradientAccumulator:
             recomputed_micro_batches=window.recomputed,
             grad_norm=grad_norm if skip_reason is None else None,
         )
+        # What `reopen_window` needs to take this end back: replicated gradients on one process, unscaled, unclipped.
+        reopenable = skip_reason is None and world == 1 and self.loss_scaler is None and not self.sharded
+        self._finished = (window, divisor) if reopenable and max_grad_norm is None else None
         self._window = None
         self._in_place_state = None
         self.last_result = result
         return result
+
+    def reopen_window(self) -> None:
+        """
+        Take back the last [`finish_window`], so that more backwards of the window's last micro-batch can join it
+        (a Trainer's `training_step` that calls its parent's twice: the window ended in the first call). The mean
+        gradient in `.grad` becomes the window's sum again. Only for a window that was applied, on one process,
+        without loss scaling or clipping (else a `RuntimeError`: what was reduced, unscaled or clipped cannot be
+        taken back exactly).
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from hf_gradaccum import GradientAccumulator
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> acc = GradientAccumulator(model, 1)
+        >>> acc.backward(model(torch.ones(2, 2)).sum() / 2, num_items=2)
+        >>> _ = acc.finish_window()
+        >>> acc.reopen_window()
+        >>> acc.begin_micro_batch(2, continues=True)
+        >>> acc.loss_to_backward(model(torch.ones(2, 2)).sum() / 2).backward()
+        >>> acc.end_micro_batch(torch.zeros(()))
+        False
+        >>> acc.finish_window().micro_steps, model.weight.grad.tolist()
+        (1, [[2.0, 2.0]])
+        ```
+        """
+        finished, self._finished = self._finished, None
+        if finished is None or self._window is not None:
+            raise RuntimeError(
+                "The last window cannot be reopened: it was skipped, reduced across processes, loss-scaled or "
+                "clipped when it ended, or another window has started since."
+            )
+        window, divisor = finished
+        if self.in_place:
+            for p in self.parameters:
+                if p.grad is not None:
+                    p.grad.mul_(divisor)
+        else:
+            self.buffers.scale_(divisor)
+            for p in self.parameters:
+                p.grad = None
+        self._window = window
+        self._in_place_state = self.buffers.fingerprint() if self.in_place else None
+        self.applied_steps -= 1
+        self.last_result = None
+
+    def present_window_so_far(self, num_items: float) -> PresentedGradients | None:
+        """Show the window's gradient so far as a mean over `num_items` in `.grad`, as copies that code between
+        micro-batches may read or change without reaching the window ([`PresentedGradients`]); `None` where the
+        buffers cannot be shown so (sharded, offloaded) or no window is open."""
+        if self._window is None or self._micro is not None or not num_items:
+            return None
+        return PresentedGradients.of(self, num_items)
 
     def _check_in_place_micro_batch(self, micro: MicroBatch) -> None:
         """After an in-place micro-batch's backward: its loss must have been weighted (`loss_to_backward`), else the

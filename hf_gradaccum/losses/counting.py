@@ -16,6 +16,7 @@ which avoids one device read per micro-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,14 +41,67 @@ _PASS_THROUGH_PREPARE_INPUTS = frozenset({"transformers.trainer.Trainer"})
 _PASS_THROUGH = {"training_step": _PASS_THROUGH_TRAINING_STEPS, "_prepare_inputs": _PASS_THROUGH_PREPARE_INPUTS}
 
 
+# Packages whose trainers are composed as libraries; a class from anywhere else is the user's own code.
+LIBRARY_PACKAGES = frozenset(
+    {"transformers", "trl", "sentence_transformers", "peft", "setfit", "accelerate", "hf_gradaccum"}
+)
+
+
+def user_classes_around_training_step(trainer_cls: type) -> list[type]:
+    """
+    The user's classes (outside [`LIBRARY_PACKAGES`]) that define `training_step` before hf_gradaccum's own in
+    `trainer_cls`'s MRO: overrides whose `super()` reaches `GradAccumTrainer.training_step` and whose calls by the
+    Trainer's loop are followed one by one (`trainer/loop_calls.py`).
+
+    Example:
+
+    ```python
+    >>> from hf_gradaccum import GradAccumTrainer
+    >>> from hf_gradaccum.losses.counting import user_classes_around_training_step
+    >>> class Logs(GradAccumTrainer):
+    ...     def training_step(self, model, inputs, num_items_in_batch=None):
+    ...         return super().training_step(model, inputs, num_items_in_batch)
+    >>> Logs.__module__ = "my_training"  # defined in the user's own module
+    >>> [cls.__name__ for cls in user_classes_around_training_step(Logs)]
+    ['Logs']
+    ```
+    """
+    found = []
+    for cls in trainer_cls.__mro__:
+        package = cls.__module__.split(".")[0]
+        if "training_step" not in vars(cls):
+            continue
+        if package == "hf_gradaccum":
+            return found
+        if package not in LIBRARY_PACKAGES:
+            found.append(cls)
+    return []
+
+
+@functools.cache  # asked at every micro-batch; a class's MRO does not change
 def _owner(trainer_cls: type, method: str) -> str | None:
-    """`module.Class` of the class that defines `method` for `trainer_cls`, looking through hf_gradaccum's own."""
+    """`module.Class` of the class that defines `method` for `trainer_cls`, looking through hf_gradaccum's own. A
+    user's override before GradAccumTrainer's counts: it may change the batch in place before its `super()` call, so
+    the count is taken where the loss sees it."""
     for cls in trainer_cls.__mro__:
         if cls.__module__.split(".")[0] == "hf_gradaccum":
             continue
         if method in vars(cls):
             return f"{cls.__module__}.{cls.__qualname__}"
     return None
+
+
+@functools.cache
+def parent_step_is_users(trainer_cls: type) -> bool:
+    """Whether the `training_step` that `GradAccumTrainer`'s calls as its parent's is the user's own code (a `Trainer`
+    subclass of theirs composed after it), which may divide the loss by the accumulation steps itself."""
+    after = trainer_cls.__mro__[1:]
+    for i, cls in enumerate(trainer_cls.__mro__):
+        if cls.__module__.split(".")[0] == "hf_gradaccum" and "training_step" in vars(cls):
+            after = trainer_cls.__mro__[i + 1 :]
+            break
+    owner = next((cls for cls in after if "training_step" in vars(cls)), None)
+    return owner is not None and owner.__module__.split(".")[0] not in LIBRARY_PACKAGES
 
 
 def hands_batch_to_loss_unchanged(trainer: Any) -> bool:
@@ -145,13 +199,14 @@ def counting_at_the_loss(
     present: Callable[[Any], tuple[float, Callable[[], None]]],
     begin: Callable[[float], None],
     num_items_for_loss: Callable[[float], Any],
+    returned: Callable[[Any], None] | None = None,
 ) -> Iterator[list[Any]]:
     """
     For the length of one micro-step, make `trainer.compute_loss` count its inputs first: `present(inputs)` returns the
     items the loss on `inputs` is a mean over and a function that undoes whatever it changed for the loss (called
     after the loss); `begin(items)` starts the accumulator's micro-batch; the trainer's own `compute_loss` then runs
     with `num_items_in_batch=num_items_for_loss(items)`. Yields a list that holds the inputs the loss last saw (the
-    micro-batch an fp16 recompute replays).
+    micro-batch an fp16 recompute replays). `returned`, if given, is called with what the loss returned.
 
     Example:
 
@@ -171,11 +226,14 @@ def counting_at_the_loss(
         begin(items)
         seen[:] = [inputs]
         try:
-            return original(
+            result = original(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_for_loss(items), **kwargs
             )
         finally:
             restore()
+        if returned is not None:
+            returned(result)
+        return result
 
     trainer.compute_loss = compute_loss
     try:

@@ -40,6 +40,8 @@ def backward_through(accelerator: Any, hand_over: Callable[[torch.Tensor], torch
     ```
     """
     original = accelerator.backward
+    # Nested (a user's override around a micro-batch that routes its own): the outer one is put back on exit.
+    outer = accelerator.__dict__.get("backward")
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
         return original(hand_over(loss), **kwargs)
@@ -48,7 +50,10 @@ def backward_through(accelerator: Any, hand_over: Callable[[torch.Tensor], torch
     try:
         yield
     finally:
-        del accelerator.backward  # the class's method again
+        if outer is None:
+            del accelerator.backward  # the class's method again
+        else:
+            accelerator.backward = outer
 
 
 def install_window_scaler(trainer: Any, accumulator: GradientAccumulator | None = None) -> None:

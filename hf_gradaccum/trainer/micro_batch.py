@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..engine.accumulator import GradientAccumulator
-from ..losses.counting import counting_at_the_loss
+from ..losses.counting import counting_at_the_loss, parent_step_is_users
 from .loss_handover import backward_through
 from .step_gating import WindowGradScaler
 
@@ -103,9 +103,17 @@ class MicroBatchRun:
     """
 
     def __init__(
-        self, trainer: Any, model: nn.Module, accumulator: GradientAccumulator, inputs: Any, num_items: float | None
+        self,
+        trainer: Any,
+        model: nn.Module,
+        accumulator: GradientAccumulator,
+        inputs: Any,
+        num_items: float | None,
+        continues: float | None = None,
     ) -> None:
         self.trainer = trainer
+        # One more loss of the micro-batch of this many items (a user's `training_step` calling `super()` again).
+        self.continues = continues
         self.model = model
         self.accumulator = accumulator
         self.inputs = inputs
@@ -118,6 +126,12 @@ class MicroBatchRun:
             self.parent_items = trainer._stock_num_items
         self.counted: list[float] = []
         self.handed_over = 0
+        # A backward handed over while `compute_loss` runs (a user's loss that back-propagates itself).
+        self.in_loss = False
+        self.inside_loss: float | None = None
+        self.returned_loss: Any = None
+        # A user's class runs between this class and `Trainer.training_step` (one that may divide by the steps).
+        self.user_step = parent_step_is_users(type(trainer))
 
     def run(self) -> tuple[torch.Tensor, float]:
         """Run the micro-batch, again after each fp16 overflow; return its detached mean loss and its items."""
@@ -132,7 +146,9 @@ class MicroBatchRun:
                 with (
                     accumulator.accumulate(self.model),
                     self.backward_handover(),
-                    counting_at_the_loss(trainer, self.present, self.begin, self.items_for_loss) as seen,
+                    counting_at_the_loss(
+                        trainer, self.present, self.begin, self.items_for_loss, returned=self.loss_returned
+                    ) as seen,
                 ):
                     trainer._seen_inputs = seen
                     loss = self.parent_step()
@@ -148,7 +164,9 @@ class MicroBatchRun:
     def backward_handover(self) -> contextlib.AbstractContextManager:
         """Where the in-place path weights the loss when no `WindowGradScaler` hands it over: the Accelerator's
         `backward`, for this micro-batch only."""
-        if self.accumulator.in_place and not isinstance(self.trainer.accelerator.scaler, WindowGradScaler):
+        # (A user's class around `Trainer.training_step` is routed too: its division by the steps is undone there.)
+        routed = self.accumulator.in_place or self.user_step
+        if routed and not isinstance(self.trainer.accelerator.scaler, WindowGradScaler):
             return backward_through(self.trainer.accelerator, self.hand_over)
         return contextlib.nullcontext()
 
@@ -161,11 +179,29 @@ class MicroBatchRun:
             return rule.returned_loss(trainer, rule.parent_step(trainer, self.model, self.inputs, self.parent_items))
         return trainer._parents_training_step(self.model, self.inputs, self.parent_items)
 
+    def loss_returned(self, result: Any) -> None:
+        """`compute_loss` returned `result` (a loss, or a loss and outputs)."""
+        self.in_loss = False
+        self.returned_loss = result[0] if isinstance(result, tuple) else result
+
     def begin(self, items: float) -> None:
         """Open the micro-batch in the accumulator with its items, once (an fp16 recompute presents it again)."""
-        if not self.counted:
-            self.counted.append(items)
+        self.in_loss = True
+        if self.counted:
+            return
+        self.counted.append(items)
+        if self.continues is None:
             self.accumulator.begin_micro_batch(items, can_recompute=True)
+            return
+        if float(items) != float(self.continues):
+            raise RuntimeError(
+                f"GradAccumTrainer stopped before the optimizer step: {type(self.trainer).__name__}.training_step "
+                f"called `super().training_step(...)` again within one micro-batch with a batch of {float(items):g} "
+                f"items where the first call's had {float(self.continues):g}. Each loss is a mean over its own "
+                "items, whose window total is known only at the window's end: return both losses from one "
+                "`compute_loss`, or declare their counts with `count_micro_batch_items` and `mean_terms`."
+            )
+        self.accumulator.begin_micro_batch(items, can_recompute=True, continues=True)
 
     def count(self, loss_inputs: Any) -> tuple[float, Undo]:
         """The items of the inputs the loss sees, and how to undo what counting them installed."""
@@ -206,9 +242,30 @@ class MicroBatchRun:
         return num_items_for_parent(self.trainer, items)
 
     def hand_over(self, loss: torch.Tensor) -> torch.Tensor:
-        """What Accelerate back-propagates for this micro-batch's loss: the accumulator's tensor for it."""
+        """What Accelerate back-propagates for this micro-batch's loss: the accumulator's tensor for it. A loss
+        without a graph after a backward of this micro-batch (`compute_loss` back-propagated itself and returned the
+        loss detached) back-propagates nothing."""
+        if not loss.requires_grad and self.handed_over:
+            return torch.zeros((), device=loss.device, requires_grad=True)
         self.handed_over += 1
-        return self.accumulator.loss_to_backward(loss)
+        if self.in_loss:
+            self.inside_loss = float(loss.detach())
+        return self.accumulator.loss_to_backward(loss * self.undone_division(loss))
+
+    def undone_division(self, loss: torch.Tensor) -> float:
+        """A user's `training_step` that divides what `compute_loss` returned by the accumulation steps before
+        handing it to `accelerator.backward` (the shape written for the stock Trainer) has the division undone: the
+        accumulator weights the micro-batch's own mean. 1 where the loss is `compute_loss`'s own."""
+        returned = self.returned_loss
+        if returned is None or not self.user_step or not torch.is_tensor(returned) or returned.numel() != 1:
+            return 1.0
+        value, handed = float(returned.detach()), float(loss.detach())
+        trainer = self.trainer
+        steps = {trainer.args.gradient_accumulation_steps, getattr(trainer, "current_gradient_accumulation_steps", 1)}
+        for k in sorted(s for s in steps if s and s > 1):
+            if value != 0 and abs(handed * k - value) <= 1e-6 * abs(value):
+                return float(k)
+        return 1.0
 
     def check_ran(self) -> None:
         """Refuse, before anything is folded into a step, a parent `training_step` that did not run one micro-batch
@@ -224,6 +281,15 @@ class MicroBatchRun:
                 f"{name}.training_step called `accelerator.backward` twice for one micro-batch; "
                 "GradAccumTrainer can weight only one loss per micro-batch. Return the sum from `compute_loss`."
             )
+        if self.inside_loss is not None:
+            self.check_backward_inside_loss(name)
+        if self.user_step and not self.handed_over and self.trainer.args.gradient_accumulation_steps > 1:
+            raise RuntimeError(
+                f"GradAccumTrainer stopped before the optimizer step: the `training_step` of {name}'s parent "
+                "classes back-propagates with `loss.backward()`, so GradAccumTrainer cannot see what it divided the "
+                "loss by. Call `self.accelerator.backward(loss)` there instead (a division by the accumulation steps "
+                "is then undone, and the micro-batch weighted by its share of the window)."
+            )
         micro = self.accumulator.current_micro_batch
         # A backward of the loss as it is suffices where the accumulator would not change it (fp32, replicated
         # buffers); under fp16 loss scaling or FSDP2 it must pass through `accelerator.backward`.
@@ -235,6 +301,32 @@ class MicroBatchRun:
                 "GradAccumTrainer only with trainers whose training_step ends in `Trainer.training_step` "
                 "(SFTTrainer, DPOTrainer, RewardTrainer, Seq2SeqTrainer do)."
             )
+
+    def check_backward_inside_loss(self, name: str) -> None:
+        """`compute_loss` handed a loss to `accelerator.backward` itself: exact where that is the loss it returns (the
+        accumulator weighted it); anything else is refused with what to change."""
+        returned, handed = self.returned_loss, self.inside_loss
+        value = float(returned.detach()) if torch.is_tensor(returned) and returned.numel() == 1 else None
+        if value is not None and abs(handed - value) <= 1e-6 * max(abs(value), 1e-30):
+            return
+        args = self.trainer.args
+        divided = value is not None and args.gradient_accumulation_steps > 1
+        if divided and abs(handed * args.gradient_accumulation_steps - value) <= 1e-6 * abs(value):
+            change = (
+                "it divides the loss by `gradient_accumulation_steps` before its backward, where GradAccumTrainer "
+                "weights each micro-batch's own mean by its share of the window: drop the division (or return the "
+                "loss and leave the backward to the Trainer)"
+            )
+        else:
+            change = (
+                f"it back-propagated {handed:.6g} and returned {value if value is not None else returned!r}, so "
+                "GradAccumTrainer cannot tell what its weight reached: return the loss it back-propagates, or "
+                "return the loss and leave the backward to the Trainer"
+            )
+        raise RuntimeError(
+            f"GradAccumTrainer stopped before the optimizer step: {name}.compute_loss calls `accelerator.backward` "
+            f"inside itself, and {change}."
+        )
 
     def recompute(self) -> torch.Tensor:
         """

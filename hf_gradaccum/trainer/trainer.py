@@ -13,7 +13,8 @@ at its default, a run behaves as the stock `Trainer` in everything but the gradi
   DeepSpeed the loss handed to its engine is weighted instead (`distributed/deepspeed.py`); with
   `auto_find_batch_size=True` an out-of-memory error shrinks the micro-batch and redoes the window
   (`trainer/out_of_memory.py`); on the window's last micro-batch, the large-batch mean gradient goes into `.grad`, or
-  the window ends inside the clipping (`trainer/window_end.py`);
+  the window ends inside the clipping (`trainer/window_end.py`); a user's override around it is followed one loop
+  call, one micro-batch, at a time (`trainer/loop_calls.py`);
 - `compute_loss`: the parents' own, except in the coupled-loss mode, the MoE window mode and a loss of several terms;
 - `_clip_grad_norm` / `_get_grad_norm` (private, guarded): end a window left to the clipping;
 - `log`: add the accumulator's counters (`accumulator/*` keys);
@@ -65,14 +66,16 @@ from ..losses.rule import TrainerLossRule, hands_stock_items
 from ..losses.trainer_probe import stock_num_items
 from .accumulator_state import load_accumulator_state, resume_state_path, save_accumulator_state
 from .atomic_checkpoints import save_checkpoint_atomically
+from .class_order import require_first_in_class_order
 from .effective_batch import EffectiveBatchCallback
 from .item_counting import count_prefetched_window, labels_on_device, shifts_labels
+from .loop_calls import CountedSteps, LoopCalls
 from .loss_handover import install_window_scaler
 from .micro_batch import MicroBatchRun, presented_as_one_step
 from .out_of_memory import LoopRestartCallback, shrink_micro_batch
 from .step_gating import SkippedStepCallback
 from .window_end import WindowEndAtClipping
-from .window_start import start_window
+from .window_start import place_in_window, start_window
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +133,13 @@ class GradAccumTrainer(Trainer):
     _run_batch: RunBatchMode | None = None
     # The window's `num_items_in_batch` as the stock Trainer counts it, for a user's `compute_loss`.
     _stock_num_items: torch.Tensor | int | None = None
+    # During `train()`, where a user's class wraps `training_step`: the loop's calls, one micro-batch each.
+    _loop_calls: LoopCalls | None = None
+    current_gradient_accumulation_steps = CountedSteps()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GradAccumTrainer:
         if kwargs.get("coupled_loss") is not None:
-            require_first_in_class_order(cls, "`coupled_loss`")
+            require_first_in_class_order(cls, "`coupled_loss`", GradAccumTrainer)
         trainer = super().__new__(cls)
         # TRL's KTOTrainer builds its KL pairs while preparing its datasets, in its own `__init__`, which runs before
         # this class's when it comes first in the class order: they are made the large batch's here
@@ -158,7 +164,7 @@ class GradAccumTrainer(Trainer):
         accumulates = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
         if moe_balance == "window" or (moe_balance == "auto" and accumulates and adds_router_loss(self.model)):
             # A router's load-balancing loss is a statistic of the batch: per micro-batch it is another objective.
-            require_first_in_class_order(type(self), "moe_load_balance='window'")
+            require_first_in_class_order(type(self), "moe_load_balance='window'", GradAccumTrainer)
             self.moe_mode = window_router_mode(self.model, named=moe_balance == "window")
         # How the model's loss is normalised, settled on the first window (`losses/rule.py`).
         self._loss_rule = TrainerLossRule()
@@ -215,7 +221,7 @@ class GradAccumTrainer(Trainer):
     def use_coupled_loss(self, coupled_loss: CoupledLoss) -> None:
         """Train in the coupled-loss mode from now on (an in-model contrastive loss found on the first window), with
         the checks `coupled_loss=` gets at construction."""
-        require_first_in_class_order(type(self), "an in-batch contrastive loss (coupled mode)")
+        require_first_in_class_order(type(self), "an in-batch contrastive loss (coupled mode)", GradAccumTrainer)
         if self.args.auto_find_batch_size:
             raise ValueError(
                 "`auto_find_batch_size=True` cannot train an in-batch contrastive loss exactly: the out-of-memory "
@@ -370,6 +376,9 @@ class GradAccumTrainer(Trainer):
 
         Returns the micro-batch's share of the window's mean loss (the Trainer sums these for logging).
         """
+        call = None if self._loop_calls is None else self._loop_calls.current
+        if call is not None and call.strict:
+            call.calls += 1  # under DeepSpeed and the coupled mode, counted only (one per loop call)
         if self._deepspeed_window is not None:
             return self._deepspeed_step(model, inputs)
         if self.coupled_mode is not None:
@@ -391,30 +400,34 @@ class GradAccumTrainer(Trainer):
             return self._parents_training_step(model, inputs, None)
 
     def _accumulated_step(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        accumulator = self._get_accumulator(model)
+        call = None if self._loop_calls is None else self._loop_calls.current
+        if call is not None and not call.strict:
+            # A user's override wraps this method: one loop call is one micro-batch, however often it calls this.
+            return call.micro_step(model, inputs)
+        return self._micro_batch_step(model, self._get_accumulator(model), inputs, None)
+
+    def _micro_batch_step(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any],
+                          continues: float | None, last: bool | None = None) -> torch.Tensor:  # fmt: skip
+        """One micro-batch (or, with `continues`, one more loss of the micro-batch of that many items) through the
+        accumulator; the window ends after it where it is the window's last (`last`, else the loop's sync flag)."""
         # A window left for clipping that the loop neither clipped nor stepped on ends now, before the next one.
         self._window_end.finish(None)
-        if self._micro_index >= len(self._window_batches) or self._window_batches[self._micro_index] is not inputs:
-            if accumulator.micro_steps_in_window:
-                # A parent passed its own copy of the micro-batch: keep it for an out-of-memory redo of the window.
-                self._window_batches = [*self._window_batches[: self._micro_index], inputs]
-            else:
-                # Called outside the Trainer's loop: a window of its own.
-                self._window_batches, self._micro_index, self._window_items_local = [inputs], 0, None
-                self._window_counts = {}
-                self._window_log.start(None)
+        if continues is None:  # (else the micro-batch the loop handed over is the one running)
+            place_in_window(self, accumulator, inputs)
         micro_index = self._micro_index
-        self._micro_index += 1
+        self._micro_index += continues is None
 
-        micro_step = functools.partial(self._accumulate, model, accumulator)
-        if self.args.auto_find_batch_size:
+        micro_step = functools.partial(self._accumulate, model, accumulator, continues=continues)
+        if self.args.auto_find_batch_size and continues is None:
             loss, num_items = self.oom_retry.run(accumulator, self._window_batches, micro_index, micro_step)
         else:
             loss, num_items = micro_step(inputs)
+        self._micro_items = num_items
 
         # Outside `train()` each call is a window of its own: Accelerate's `sync_gradients` is process-wide state that
         # an interrupted `train()` can leave False.
-        last = self.accelerator.sync_gradients or not self._training
+        if last is None:
+            last = self.accelerator.sync_gradients or not self._training
         if last and not self._window_end.defer(accumulator):
             self.on_window_end(accumulator.finish_window())
 
@@ -429,8 +442,10 @@ class GradAccumTrainer(Trainer):
         steps = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
         return self._window_log.share(loss, num_items, prefetched, last=last, steps=steps)
 
-    def _accumulate(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any]):
-        """Forward + weighted backward of one micro-batch (in chunks after an OOM). Returns (mean loss, items)."""
+    def _accumulate(self, model: nn.Module, accumulator: GradientAccumulator, inputs: dict[str, Any],
+                    continues: float | None = None):  # fmt: skip
+        """Forward + weighted backward of one micro-batch (in chunks after an OOM), or one more loss of the micro-batch
+        of `continues` items. Returns (mean loss, items)."""
         loss_sum, total_items = None, 0
         for chunk in self.oom_retry.chunks(inputs):
             # The count made at prefetch time where the loss sees that very batch (else it is counted at the loss),
@@ -440,7 +455,7 @@ class GradAccumTrainer(Trainer):
             if share > 1:
                 # GOLD and IW-OPD are handed the whole window at every micro-step: each slice takes an equal share.
                 counted = counted / share
-            loss, num_items = MicroBatchRun(self, model, accumulator, chunk, counted).run()
+            loss, num_items = MicroBatchRun(self, model, accumulator, chunk, counted, continues=continues).run()
             weighted = loss.float() * num_items if num_items else torch.zeros((), device=loss.device)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             total_items += num_items
@@ -550,7 +565,8 @@ class GradAccumTrainer(Trainer):
             load_accumulator_state(self, self.accumulator, self._resume_state_path)
         self._training = True
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            with LoopCalls.installed(self):
+                return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             # A refusal (or any error) inside a window leaves Accelerate's process-wide `sync_gradients` False, which
             # the next trainer in this process would read as "mid-window".
@@ -580,16 +596,3 @@ class GradAccumTrainer(Trainer):
             # `train_results.json`) see every key the stock Trainer would give them, plus ours.
             logs.update(self.accumulator.metrics())
         super().log(logs, start_time)
-
-
-def require_first_in_class_order(trainer_cls: type, option: str) -> None:
-    """A mode that replaces the loss must see `compute_loss` before a composed trainer does: raise a `ValueError`
-    naming `option` and the class order to use when another trainer's `compute_loss` comes first."""
-    for cls in trainer_cls.__mro__:
-        if cls is GradAccumTrainer:
-            return
-        if not issubclass(cls, GradAccumTrainer) and "compute_loss" in vars(cls):
-            raise ValueError(
-                f"{option} needs GradAccumTrainer before {cls.__name__} in the class order (its `compute_loss` would "
-                f"run first): `class {trainer_cls.__name__}(GradAccumTrainer, {cls.__name__})`."
-            )

@@ -1,4 +1,4 @@
-"""What starts with each prefetched window, before its first micro-batch: the window's loss log, and every statistic
+"""What starts with each prefetched window (and where a micro-batch sits in it), before its first micro-batch: the window's loss log, and every statistic
 a loss needs over the whole window rather than per micro-batch (each computed once, forward-only where it runs the
 model): the loss terms' counts, GRPO's entropy quantile, DPO's sort, DeepSpeed's window items, KTO's baseline, the
 MoE router statistics and the coupled mode's representations; and the first-window checks (an unknown composition,
@@ -38,3 +38,18 @@ def start_window(trainer: Any, batch_samples: list[dict[str, Any]], counts: list
         trainer.moe_mode.window_prefetched(trainer, batch_samples)  # forward-only, over all ranks
     if trainer.coupled_mode is not None:
         trainer.coupled_mode.window_prefetched(batch_samples)
+
+
+def place_in_window(trainer: Any, accumulator: Any, inputs: dict[str, Any]) -> None:
+    """Where `inputs`, handed to `training_step`, sits in `trainer`'s prefetched window: a parent's own copy of the
+    micro-batch replaces it (kept for an out-of-memory redo of the window), and a call outside the Trainer's loop is a
+    window of its own."""
+    index, batches = trainer._micro_index, trainer._window_batches
+    if index < len(batches) and batches[index] is inputs:
+        return
+    if accumulator.micro_steps_in_window:
+        trainer._window_batches = [*batches[:index], inputs]
+    else:
+        trainer._window_batches, trainer._micro_index, trainer._window_items_local = [inputs], 0, None
+        trainer._window_counts = {}
+        trainer._window_log.start(None)

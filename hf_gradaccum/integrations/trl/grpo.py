@@ -152,7 +152,7 @@ class GenerationBatchAccumulation:
         `num_items_in_batch`, that count is presented as the module docstring says. Returns the count and a function
         that puts both back as TRL left them (the micro-batch is reused when `num_iterations > 1`).
         """
-        saved = vars(trainer).get("current_gradient_accumulation_steps")
+        saved = getattr(trainer, "current_gradient_accumulation_steps", None)
         trainer.current_gradient_accumulation_steps = 1
         items, restore_items = self._present_items(trainer, micro_batch)
 
