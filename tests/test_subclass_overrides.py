@@ -173,3 +173,33 @@ def test_code_after_super_sees_copies_mid_window_and_the_window_gradient_last(tm
     assert _relative(stepped, final) <= RTOL
     # the mean so far grows towards the window's mean: the first micro-batch's share is about a quarter of it
     assert 0.05 < float(seen[0][1].norm() / final.norm()) < 1.0
+
+
+def test_a_bypassed_window_with_a_non_finite_gradient_is_not_applied(tmp_path):
+    """An override that back-propagates by itself never reaches the accumulator's check: its window's gradient is
+    checked where the window ends, and a NaN leaves the weights as they were (the stock Trainer would step on it)."""
+
+    class NaNInSecondMicroBatch(cases.OlderShape):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = model(**inputs).loss
+            # (the first window's measurement runs this loss before any training step: left finite there)
+            second = getattr(self, "case_notes", {}).get("user_steps") == 2
+            return loss * float("nan") if second else loss
+
+    run = cases.train_once(_with_mixin(NaNInSecondMicroBatch, "nan_bypass"), "ours", str(tmp_path))
+    assert "exception" not in run, run["exception"]["traceback"]
+    assert run["optimizer_steps"] == 1
+    assert float(run["update"].abs().max()) == 0.0
+
+
+def test_loss_backward_after_reading_the_steps_in_a_parent_step_stops_with_the_verified_fix(tmp_path):
+    """The oldest shape (`loss / args.gradient_accumulation_steps`, `loss.backward()`) in the user's `Trainer`
+    subclass composed after GradAccumTrainer: its division cannot be seen, so it stops and says to use
+    `self.accelerator.backward(loss)`, which `older_shape_parent_order` (exact, above) is."""
+    import dataclasses
+
+    case = dataclasses.replace(cases.find_case("oldest_shape_loss_backward"), name="oldest_after", parent_order=True)
+    run = cases.train_once(case, "ours", str(tmp_path))
+    error = run.get("exception")
+    assert error is not None and "self.accelerator.backward(loss)" in error["message"]
+    assert run["optimizer_steps"] == 0 and not run["moved"]

@@ -26,6 +26,7 @@ back-propagated without reading the accumulation steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -97,21 +98,44 @@ class CountedSteps:
             raise AttributeError("current_gradient_accumulation_steps")
 
 
-def _args_presenting(args: Any, steps: float, counter: _ReadCounter) -> Any:
-    """A shallow copy of `args` whose `gradient_accumulation_steps` is `steps`, counting its reads."""
-    base = type(args)
+@functools.cache
+def _counting_arguments_class(base: type) -> type:
+    """A subclass of the arguments' class that counts reads of `gradient_accumulation_steps`."""
 
     class Presented(base):  # type: ignore[misc, valid-type]
         def __getattribute__(self, name: str) -> Any:
             if name == "gradient_accumulation_steps":
-                counter.reads += 1
+                counter = object.__getattribute__(self, "__dict__").get("_steps_read_counter")
+                if counter is not None:
+                    counter.reads += 1
             return base.__getattribute__(self, name)
 
     Presented.__name__ = Presented.__qualname__ = base.__name__
-    presented = base.__new__(Presented)
+    return Presented
+
+
+def _args_presenting(args: Any, steps: float, counter: _ReadCounter) -> Any:
+    """A shallow copy of `args` whose `gradient_accumulation_steps` is `steps`, counting its reads."""
+    presented = object.__new__(_counting_arguments_class(type(args)))
     presented.__dict__.update(args.__dict__)
     presented.__dict__["gradient_accumulation_steps"] = steps
+    presented.__dict__["_steps_read_counter"] = counter
     return presented
+
+
+@contextlib.contextmanager
+def counting_step_reads(trainer: Any) -> Iterator[_ReadCounter]:
+    """For the context, count the reads of `trainer.args.gradient_accumulation_steps` and of
+    `trainer.current_gradient_accumulation_steps` (their values unchanged)."""
+    counter = _ReadCounter()
+    args = trainer.args
+    trainer.args = _args_presenting(args, args.gradient_accumulation_steps, counter)
+    trainer.__dict__["_steps_read_counter"] = counter
+    try:
+        yield counter
+    finally:
+        trainer.args = args
+        trainer.__dict__.pop("_steps_read_counter", None)
 
 
 class LoopCall:
@@ -420,8 +444,11 @@ class LoopCalls:
         return loss
 
     def window_ended(self, call: LoopCall) -> None:
-        """The window's last loop call returned: the path it took goes into the record."""
+        """The window's last loop call returned: the path it took goes into the record, and a bypassed window's
+        non-finite gradient is dropped (the accumulator does so for its own windows)."""
         path = BYPASSED if BYPASSED in self.paths else ACCUMULATED if self.paths else None
+        if path == BYPASSED:
+            drop_non_finite(call.parameters, self.trainer.state.global_step)
         if path is not None and path not in self.window_paths:
             self.window_paths[path] = self.trainer.state.global_step
             record_training_path(self.trainer, self.owner, path)
@@ -454,3 +481,14 @@ def record_training_path(trainer: Any, owner: str, path: str) -> None:
     os.makedirs(trainer.args.output_dir, exist_ok=True)
     with open(target, "w") as f:
         json.dump(record, f, indent=2)
+
+
+def drop_non_finite(parameters: list[nn.Parameter], step: int) -> None:
+    """A window's gradient with an inf/NaN is not applied: every `.grad` is set to `None`, so the optimizer leaves
+    weights and state untouched (the stock Trainer would step on it)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        return
+    for p in parameters:
+        p.grad = None
+    logger.warning("Skipping optimizer step %d: the window's gradient is not finite (non_finite_grad).", step + 1)

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..engine.accumulator import GradientAccumulator
 from ..losses.counting import counting_at_the_loss, parent_step_is_users
+from .loop_calls import counting_step_reads
 from .loss_handover import backward_through
 from .step_gating import WindowGradScaler
 
@@ -132,6 +133,7 @@ class MicroBatchRun:
         self.returned_loss: Any = None
         # A user's class runs between this class and `Trainer.training_step` (one that may divide by the steps).
         self.user_step = parent_step_is_users(type(trainer))
+        self.steps_read = 0
 
     def run(self) -> tuple[torch.Tensor, float]:
         """Run the micro-batch, again after each fp16 overflow; return its detached mean loss and its items."""
@@ -177,7 +179,14 @@ class MicroBatchRun:
         if getattr(rule, "loss_inside_training_step", False):
             self.begin(rule.count_handed(self.inputs))
             return rule.returned_loss(trainer, rule.parent_step(trainer, self.model, self.inputs, self.parent_items))
-        return trainer._parents_training_step(self.model, self.inputs, self.parent_items)
+        if not self.user_step:
+            return trainer._parents_training_step(self.model, self.inputs, self.parent_items)
+        # A user's step that back-propagates by itself may divide by the accumulation steps: whether it read them.
+        with counting_step_reads(trainer) as reads:
+            try:
+                return trainer._parents_training_step(self.model, self.inputs, self.parent_items)
+            finally:
+                self.steps_read = reads.reads
 
     def loss_returned(self, result: Any) -> None:
         """`compute_loss` returned `result` (a loss, or a loss and outputs)."""
@@ -283,12 +292,13 @@ class MicroBatchRun:
             )
         if self.inside_loss is not None:
             self.check_backward_inside_loss(name)
-        if self.user_step and not self.handed_over and self.trainer.args.gradient_accumulation_steps > 1:
+        if self.user_step and not self.handed_over and self.steps_read:
             raise RuntimeError(
                 f"GradAccumTrainer stopped before the optimizer step: the `training_step` of {name}'s parent "
-                "classes back-propagates with `loss.backward()`, so GradAccumTrainer cannot see what it divided the "
-                "loss by. Call `self.accelerator.backward(loss)` there instead (a division by the accumulation steps "
-                "is then undone, and the micro-batch weighted by its share of the window)."
+                "classes reads the accumulation steps and back-propagates with `loss.backward()`, so GradAccumTrainer "
+                "cannot see whether it divided the loss by them. Call `self.accelerator.backward(loss)` there instead "
+                "(a division by the accumulation steps is then undone, and the micro-batch weighted by its share of "
+                "the window)."
             )
         micro = self.accumulator.current_micro_batch
         # A backward of the loss as it is suffices where the accumulator would not change it (fp32, replicated
