@@ -203,3 +203,14 @@ def test_loss_backward_after_reading_the_steps_in_a_parent_step_stops_with_the_v
     error = run.get("exception")
     assert error is not None and "self.accelerator.backward(loss)" in error["message"]
     assert run["optimizer_steps"] == 0 and not run["moved"]
+
+
+@pytest.mark.parametrize("mode", ["mutate", "bypass"])
+def test_overrides_under_ddp(mode, tmp_path):
+    """Two real gloo processes: a change to `.grad` after `super()` in the middle of a window does not reach the step
+    (exact against one SGD step per window on both ranks' rows as one batch); a body that bypasses the accumulator
+    stops before the first step (not yet exact under several processes)."""
+    from tests.multiprocess import launch
+
+    proc = launch(mode, str(tmp_path), script="tests/workers/subclass_ddp.py")
+    assert ("relative update error" if mode == "mutate" else "stopped:") in proc.stdout, proc.stdout[-2000:]

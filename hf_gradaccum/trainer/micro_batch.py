@@ -259,7 +259,8 @@ class MicroBatchRun:
         self.handed_over += 1
         if self.in_loss:
             self.inside_loss = float(loss.detach())
-        return self.accumulator.loss_to_backward(loss * self.undone_division(loss))
+        undone = self.undone_division(loss) if self.user_step else 1.0
+        return self.accumulator.loss_to_backward(loss * undone if undone != 1.0 else loss)
 
     def undone_division(self, loss: torch.Tensor) -> float:
         """A user's `training_step` that divides what `compute_loss` returned by the accumulation steps before
