@@ -76,7 +76,7 @@ constant schedule, no clipping unless the case is about it, no weight decay, dat
 dropout 0, the same initial weights and the same {ROWS} rows) with the stock `Trainer` on one batch of {ROWS} (the
 reference), the stock `Trainer` at {MICRO} x {STEPS}, and `GradAccumTrainer` with default accumulation options at
 {MICRO} x {STEPS}. The figure is `||d - d_ref|| / ||d_ref||` over all trainable parameters. `exact`: <= {RTOL:g};
-`silent`: trained, not exact; `stopped`: an exception before the first optimizer step with the weights unchanged (its
+`silent`: trained, not exact; `stopped`: an exception before the first optimizer step with the weights unchanged (within 1e-6 relative: an override's own perturb-and-restore may leave the last bit of some) (its
 type, first line and where it was raised are in the note); `crashed`: an exception after the weights moved, or no
 usable update. The note also shows what the override recorded (per micro-step), and any run whose loader fetched
 other rows than the reference's.

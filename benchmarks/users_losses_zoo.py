@@ -50,7 +50,7 @@ clipping, no weight decay, dataset order, dropout 0, the same initial weights an
 `Trainer` on one batch of {ROWS} (the reference), the stock `Trainer` at {MICRO} x {STEPS}, and `GradAccumTrainer`
 with default accumulation options at {MICRO} x {STEPS}. The figure is `||d - d_ref|| / ||d_ref||` over all
 trainable parameters. `exact`: <= {RTOL:g}; `silent`: trained, not exact; `stopped`: an exception before the first
-optimizer step with the weights unchanged (its type, first line and where it was raised are in the note, to judge
+optimizer step with the weights unchanged (within 1e-6 relative: an override's own perturb-and-restore may leave the last bit of some) (its type, first line and where it was raised are in the note, to judge
 whether it names the real cause); `crashed`: an exception after the weights moved, or no usable update.
 """
 
