@@ -237,3 +237,27 @@ def test_overrides_under_ddp(mode, tmp_path):
 
     proc = launch(mode, str(tmp_path), script="tests/workers/subclass_ddp.py")
     assert ("relative update error" if mode == "mutate" else "stopped:") in proc.stdout, proc.stdout[-2000:]
+
+
+def _in_place(trainer) -> None:
+    if hasattr(trainer.args, "accumulation_path"):  # ours only (the stock arguments have no such field)
+        trainer.args.accumulation_path = "in_place"
+
+
+@pytest.mark.parametrize("name", ["super_twice_token_drop", "clip_grad_value_after_super", "mask_old_vocab_grad"])
+def test_overrides_on_the_in_place_path(name, tmp_path):
+    """The same overrides with the accumulation in `.grad` itself (`accumulation_path="in_place"`): the copies shown
+    mid-window and the reopened last window work on autograd's own sums too."""
+    import dataclasses
+
+    case = dataclasses.replace(cases.find_case(name), name=f"{name}_in_place", prepare=_in_place)
+    seen = {}
+
+    def observe(out, trainer, dataset):
+        seen["in_place"] = trainer.accumulator.in_place
+
+    run = cases.users_losses.train_once(case, "ours", str(tmp_path), cases_file="tests/subclass_cases.py",
+                                        observe=observe)  # fmt: skip
+    assert "exception" not in run, run["exception"]["traceback"]
+    assert seen["in_place"]
+    assert _relative(run["update"], _reference(name)) <= RTOL
