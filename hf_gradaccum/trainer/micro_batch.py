@@ -178,6 +178,7 @@ class MicroBatchRun:
         rule, trainer = self.rule, self.trainer
         if getattr(rule, "loss_inside_training_step", False):
             self.begin(rule.count_handed(self.inputs))
+            self.in_loss = False  # its backward is the step's own, not one inside `compute_loss`
             return rule.returned_loss(trainer, rule.parent_step(trainer, self.model, self.inputs, self.parent_items))
         if not self.user_step:
             return trainer._parents_training_step(self.model, self.inputs, self.parent_items)
