@@ -90,8 +90,20 @@ EXACT = {
 }
 
 
+def _five_x_only(name: str) -> None:
+    """The cases written against transformers 5.x: the copied 5.24 body reads `loss_is_scaled_for_ga` (4.x lacks it,
+    under the stock Trainer too), and 4.x's loader hands R-Drop's extra `noise` column on to the model."""
+    from transformers import Trainer
+
+    if name.startswith("stock_body_copy") and not hasattr(Trainer, "loss_is_scaled_for_ga"):
+        pytest.skip("the copied body is transformers 5.24's")
+    if name == "rdrop_own_step" and not hasattr(Trainer, "loss_is_scaled_for_ga"):
+        pytest.skip("transformers 4.x passes the `noise` column to the model")
+
+
 @pytest.mark.parametrize("name", sorted(EXACT))
 def test_override_is_the_large_batch_step(name, tmp_path):
+    _five_x_only(name)
     run = _ours(name, tmp_path)
     assert "exception" not in run, run["exception"]["traceback"]
     assert run["optimizer_steps"] == 1
